@@ -1,0 +1,102 @@
+"""Backends: a small Runner-like class per runtime, found by name.
+
+A backend knows nothing of Kokoro or pytest. It takes an exported program file and arrays, so a
+third party can write one (entry-point group `kokoro_parity.backends`) and a repro can reuse it.
+Heavy runtime packages are imported inside `compile`/`run`, in the child process that needs them.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+ENTRY_POINT_GROUP = "kokoro_parity.backends"
+
+
+class Backend:
+    """Subclass and set the class attributes; override `compile` and `run` (and `audit`)."""
+
+    name: str = ""
+    requires: tuple[str, ...] = ()  # importable top-level packages
+    patches: tuple[str, ...] = ()  # patches of harness.patches that its programs need
+    artifact_name: str = "artifact.bin"
+    description: str = ""
+
+    def available(self) -> tuple[bool, str]:
+        missing = [p for p in self.requires if importlib.util.find_spec(p) is None]
+        if missing:
+            return False, f"package(s) not installed: {', '.join(missing)} (install the extra for {self.name!r})"
+        return True, ""
+
+    def version(self) -> str:
+        versions = []
+        for p in self.requires:
+            try:
+                versions.append(f"{p}=={importlib.metadata.version(p)}")
+            except importlib.metadata.PackageNotFoundError:
+                versions.append(p)
+        return ",".join(versions) or "builtin"
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict[str, Any]:
+        """Turn the exported program into `out_dir / self.artifact_name`; return an audit dict."""
+        raise NotImplementedError
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        """Run the artifact on a list of torch tensors; return a list of torch tensors."""
+        raise NotImplementedError
+
+
+_BUILTIN = {
+    "eager": "harness.backends.eager:EagerBackend",
+    "xnnpack": "harness.backends.executorch:XnnpackBackend",
+}
+
+
+def _load(ref: str) -> type[Backend]:
+    module, _, cls = ref.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def registry() -> dict[str, str]:
+    """name -> "module:Class" for built-in and entry-point backends."""
+    found = dict(_BUILTIN)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def get_backend(name: str) -> Backend:
+    refs = registry()
+    if name not in refs:
+        raise KeyError(f"unknown backend {name!r}; known: {', '.join(sorted(refs))}")
+    return _load(refs[name])()
+
+
+def backend_names() -> list[str]:
+    return list(registry())
+
+
+# ---- job functions (run in the child process by harness.jobs) ------------------------------
+
+def compile_job(backend: str, program_path: str, out_dir: str) -> dict[str, Any]:
+    """Compile one exported program; returns the backend's audit and the artifact size."""
+    b = get_backend(backend)
+    out = Path(out_dir)
+    audit = b.compile(Path(program_path), out) or {}
+    return {"audit": audit, "artifact_bytes": (out / b.artifact_name).stat().st_size}
+
+
+def run_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
+    import time
+
+    import torch
+
+    b = get_backend(backend)
+    inputs = torch.load(inputs_path, weights_only=True)
+    start = time.perf_counter()
+    outputs = b.run(Path(artifact_path), inputs)
+    seconds = time.perf_counter() - start
+    torch.save([torch.as_tensor(o).detach().clone() for o in outputs], outputs_path)
+    return {"run_s": seconds, "n_outputs": len(outputs)}

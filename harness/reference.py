@@ -1,0 +1,213 @@
+"""Reference traces: every step's inputs and outputs for one case, in both modes and both dtypes.
+
+- The *chain* is Kokoro run step by step on the exact lengths (dynamic mode, fp32, packing as in
+  kokoro). It defines every step's inputs.
+- Every other trace is teacher-forced from the chain: step S in (mode, dtype) runs on the chain's
+  inputs of S, padded to the bucket for `static`, cast for `float64`. So each step's error is its
+  own, and the fp32-vs-fp64 difference of S is S's own noise floor (torch's accuracy rule).
+- `static` runs with packing disabled, as a static export sees it; its difference from `dynamic`
+  on the valid region is the *rewrite drift*.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from . import cache
+from .cases import Case, CaseError
+from .files import atomic_write, content_key
+from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, style_for
+from .patches import apply_patches, sample_noise, to_float64
+from .steps import FRAME_UNITS, NOISE_INPUTS, STEPS, Step, build_alignment, get_step
+
+MODES = ("dynamic", "static")
+DTYPES = ("float32", "float64")
+REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
+                     "static": ("noise_as_input", "dropout_identity", "no_packing")}
+TRACE_VERSION = 1  # bump when the way traces are computed changes: it invalidates cached traces
+
+
+@dataclass
+class Lengths:
+    tokens: int
+    frames: int
+
+    def of(self, unit: str) -> int:
+        return self.tokens if unit == "tokens" else self.frames * FRAME_UNITS[unit]
+
+
+@dataclass
+class CaseTraces:
+    """All references of one case: `io[(step, mode, dtype)] = (inputs, outputs)`."""
+
+    case_id: str
+    valid: Lengths  # the exact lengths (dynamic shapes, and the valid region of static outputs)
+    bucket: Lengths
+    pred_dur: list[int]
+    chain: dict[str, torch.Tensor]
+    io: dict[tuple[str, str, str], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+    def inputs(self, step: str, mode: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        return self.io[(step, mode, dtype)][0]
+
+    def outputs(self, step: str, mode: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        return self.io[(step, mode, dtype)][1]
+
+    def valid_region(self, step: str, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Slice an output of `step` to the valid (unpadded) region along its unit axes."""
+        spec = next(t for t in get_step(step).outputs if t.name == name)
+        for axis, unit in spec.axes.items():
+            value = value.narrow(axis, 0, self.valid.of(unit))
+        return value
+
+
+def as_outputs(step: Step, result) -> dict[str, torch.Tensor]:
+    values = result if isinstance(result, (tuple, list)) else (result,)
+    if len(values) != len(step.outputs):
+        raise ValueError(f"step {step.name}: expected {len(step.outputs)} outputs, got {len(values)}")
+    return {t.name: v.detach() for t, v in zip(step.outputs, values)}
+
+
+def run_chain(model: LoadedModel, case: Case) -> tuple[dict[str, torch.Tensor], Lengths, list[int]]:
+    """Kokoro's forward_with_tokens, step by step, keeping every named value."""
+    km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+    ids = case.token_ids(model.vocab)
+    n = len(ids)
+    v: dict[str, torch.Tensor] = {}
+    v["input_ids"] = torch.tensor([ids], dtype=torch.long)
+    v["text_mask"] = torch.zeros(1, n, dtype=torch.bool)
+    v["attention_mask"] = (~v["text_mask"]).int()
+    v["input_lengths"] = torch.tensor([n], dtype=torch.long)
+    ref_s = style_for(load_voice(case.voice), n - 2)
+    v["s_pred"], v["s_dec"] = ref_s[:, 128:].contiguous(), ref_s[:, :128].contiguous()
+    v["speed"] = torch.tensor([case.speed], dtype=torch.float32)
+
+    def call(name: str) -> None:
+        step = get_step(name)
+        v.update(as_outputs(step, step.module(km)(*(v[i] for i in step.input_names))))
+
+    with torch.no_grad():
+        for name in ("bert", "bert_encoder", "duration_encoder", "duration"):
+            call(name)
+        pred_dur, aln, n_frames = build_alignment(v["duration"], n)
+        if n_frames > case.bucket.frames:
+            raise CaseError(f"case {case.id!r}: {n_frames} predicted frames exceed field 'bucket.frames' "
+                            f"= {case.bucket.frames}")
+        v["en"] = v["d"].transpose(-1, -2) @ aln
+        call("f0n")
+        call("text_encoder")
+        v["asr"] = v["t_en"] @ aln
+        bucket_noise = sample_noise(case.seed, case.bucket.frames * SAMPLES_PER_FRAME)
+        for k, t in bucket_noise.items():
+            v[k] = t if k == "rand_ini" else t[:, : n_frames * SAMPLES_PER_FRAME].contiguous()
+            v[f"bucket_{k}"] = t
+        captured = {}
+        hook = km.decoder.generator.register_forward_pre_hook(lambda m, args: captured.update(gen_x=args[0]))
+        call("decoder")
+        hook.remove()
+        v["gen_x"] = captured["gen_x"].detach()
+        call("generator")
+    return v, Lengths(n, n_frames), pred_dur.tolist()
+
+
+def pad_inputs(step: Step, chain: dict[str, torch.Tensor], valid: Lengths, bucket: Lengths) -> dict[str, torch.Tensor]:
+    """The step's chain inputs padded to the bucket along their unit axes (noise: the bucket's own)."""
+    out = {}
+    for spec in step.inputs:
+        if spec.name in NOISE_INPUTS:
+            out[spec.name] = chain[f"bucket_{spec.name}"]
+            continue
+        value = chain[spec.name]
+        for axis, unit in spec.axes.items():
+            extra = bucket.of(unit) - value.shape[axis]
+            if extra < 0:
+                raise ValueError(f"{spec.name}: {value.shape[axis]} {unit} exceed the bucket's {bucket.of(unit)}")
+            if extra:
+                shape = list(value.shape)
+                shape[axis] = extra
+                value = torch.cat([value, torch.full(shape, spec.pad_value, dtype=value.dtype)], dim=axis)
+        out[spec.name] = value.contiguous()
+    return out
+
+
+def cast(inputs: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    target = getattr(torch, dtype)
+    return {k: (t.to(target) if t.is_floating_point() else t) for k, t in inputs.items()}
+
+
+def compute_traces(model: LoadedModel, case: Case, steps: tuple[str, ...] | None = None) -> CaseTraces:
+    chain, valid, pred_dur = run_chain(model, case)
+    traces = CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
+    for mode in MODES:
+        km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
+        km64 = to_float64(copy.deepcopy(km32))
+        for step in STEPS:
+            if steps and step.name not in steps:
+                continue
+            base = ({k: chain[k] for k in step.input_names} if mode == "dynamic"
+                    else pad_inputs(step, chain, valid, traces.bucket))
+            for dtype, km in (("float32", km32), ("float64", km64)):
+                inputs = cast(base, dtype)
+                with torch.no_grad():
+                    outputs = as_outputs(step, step.module(km)(*inputs.values()))
+                traces.io[(step.name, mode, dtype)] = (inputs, outputs)
+    return traces
+
+
+def load_traces(model: LoadedModel, case: Case) -> CaseTraces:
+    """Traces of a case, computed once and cached by content (weights, case, torch, trace code)."""
+    key = content_key("traces", TRACE_VERSION, model.digest, case.digest, torch.__version__)
+
+    def build(tmp):
+        traces = compute_traces(model, case)
+        atomic_write(tmp / "traces.pt", lambda f: torch.save(traces.__dict__, f))
+
+    entry, _hit = cache.get_or_build("traces", key, build)
+    data = torch.load(entry / "traces.pt", weights_only=False)
+    return CaseTraces(**data)
+
+
+def capture_submodules(module: torch.nn.Module, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every submodule's (first) output by module path, in execution order, via forward hooks;
+    bisection feeds these to the backend one module at a time."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for path, sub in module.named_modules():
+        if path:
+            def hook(m, args, out, path=path):
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(first, torch.Tensor) and path not in seen:
+                    seen[path] = first.detach()
+            hooks.append(sub.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: str, mode: str,
+                    variant: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """Outputs of `step` (fp32 and fp64) on the mode's inputs with extra semantics-changing patches.
+
+    A backend is judged against the reference *with the patches its export needs*, so its error is
+    its own; how far those patches move the model is reported beside it as the patch drift.
+    """
+    key = content_key("variant", TRACE_VERSION, model.digest, case.digest, torch.__version__, step, mode, variant)
+
+    def build(tmp):
+        km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
+        km64 = to_float64(copy.deepcopy(km32))
+        s = get_step(step)
+        out = {}
+        for dtype, km in (("float32", km32), ("float64", km64)):
+            with torch.no_grad():
+                out[dtype] = as_outputs(s, s.module(km)(*traces.inputs(step, mode, dtype).values()))
+        atomic_write(tmp / "outputs.pt", lambda f: torch.save(out, f))
+
+    entry, _ = cache.get_or_build("variants", key, build)
+    return torch.load(entry / "outputs.pt", weights_only=True)

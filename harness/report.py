@@ -1,0 +1,67 @@
+"""Terminal tables of records: one item's metrics, and the session's step x backend summary."""
+from __future__ import annotations
+
+import math
+
+from tabulate import tabulate
+
+from .record import Record
+
+KEY_METRICS = ("nan_rate", "max_abs", "rel_l2", "floor_rel_l2", "floor_ratio", "cosine", "snr_db")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, str):
+        return v
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def item_table(rec: Record) -> str:
+    """The metric table printed for an item (instead of a traceback)."""
+    lines = [f"{rec.item_id}: {rec.verdict.value.upper()}  {rec.reason}"]
+    if rec.metrics:
+        rows = [[name, *(_fmt(m.get(k)) for k in KEY_METRICS)] for name, m in rec.metrics.items()]
+        lines.append(tabulate(rows, headers=["output", *KEY_METRICS], tablefmt="simple"))
+    if rec.rewrite_drift:
+        rows = [[name, _fmt(d["rel_l2"]), _fmt(d["max_abs"])] for name, d in rec.rewrite_drift.items()]
+        lines.append("rewrite drift (static fp32 vs dynamic fp32, valid region):")
+        lines.append(tabulate(rows, headers=["output", "rel_l2", "max_abs"], tablefmt="simple"))
+    if rec.patch_drift:
+        rows = [[name, _fmt(d["rel_l2"]), _fmt(d["max_abs"])] for name, d in rec.patch_drift.items()]
+        lines.append(f"patch drift ({', '.join(rec.semantic_patches)} vs the unpatched reference, fp32):")
+        lines.append(tabulate(rows, headers=["output", "rel_l2", "max_abs"], tablefmt="simple"))
+    if rec.semantic_patches:
+        lines.append(f"patches that change semantics: {', '.join(rec.semantic_patches)}")
+    outside = rec.audit.get("ops_outside_delegate")
+    if outside:
+        lines.append("ops left outside the delegate: " + ", ".join(f"{k} x{v}" for k, v in sorted(outside.items())))
+    if rec.audit.get("non_core_aten_ops"):
+        lines.append("ops outside Core ATen: " + ", ".join(f"{k} x{v}" for k, v in rec.audit["non_core_aten_ops"].items()))
+    if rec.log and not rec.verdict.ok and rec.verdict.value != "fail":
+        lines.append("log (tail):\n" + "\n".join(rec.log.splitlines()[-12:]))
+    return "\n".join(lines)
+
+
+def summary_table(records: list[Record]) -> str:
+    """One row per (step, mode), one column per backend: verdict and the key metric."""
+    backends = sorted({r.backend for r in records})
+    rows: dict[tuple, dict] = {}
+    for r in records:
+        key = (r.case, r.step, r.mode)
+        worst = max(r.metrics.values(), key=lambda m: m.get("floor_ratio", 0) if isinstance(m.get("floor_ratio"), float) else 0, default=None)
+        cell = r.verdict.value.upper()
+        if worst is not None and r.verdict.value in ("pass", "fail"):
+            cell += f" rel {_fmt(worst.get('rel_l2'))} ({_fmt(worst.get('floor_ratio'))}x floor)"
+        drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
+        rows.setdefault(key, {})[r.backend] = cell
+        if drift is not None:
+            rows[key]["drift"] = _fmt(drift)
+    table = [[c, s, m, rows[(c, s, m)].get("drift", "-"), *(rows[(c, s, m)].get(b, "") for b in backends)]
+             for (c, s, m) in sorted(rows)]
+    return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt="simple")

@@ -1,0 +1,249 @@
+"""The runner: items -> records. It schedules the work of one item (traces, export, compile, run,
+metrics, verdict) through the cache and child-process jobs, and counts what it did."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__, cache
+from .backends import Backend, compile_job, get_backend  # noqa: F401 - compile_job is a job target
+from .cases import Case, load_cases
+from .files import content_key
+from .jobs import JobResult, run_job
+from .metrics.tensor import compare_to_floor, error_metrics
+from .programs import PROGRAM_VERSION
+from .record import Record
+from .verdict import Profile, Verdict, judge
+
+MODES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class Item:
+    case: str
+    step: str
+    backend: str
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.case}-{self.step}-{self.backend}-{self.mode}"
+
+
+@dataclass
+class Limits:
+    export_s: float = 1200
+    compile_s: float = 2400
+    run_s: float = 900
+
+
+@dataclass
+class Session:
+    """One run over a model and its cases. Traces and the model load lazily, once."""
+
+    weights: str | None = None
+    case_ids: list[str] | None = None
+    report_dir: Path = Path("reports")
+    profile: Profile = field(default_factory=Profile.load)
+    limits: Limits = field(default_factory=Limits)
+    counts: Counter = field(default_factory=Counter)
+    _model: object = None
+    _traces: dict = field(default_factory=dict)
+    _cases: dict | None = None
+
+    # -- lazily loaded state --------------------------------------------------------------
+    @property
+    def cases(self) -> dict[str, Case]:
+        if self._cases is None:
+            self._cases = {c.id: c for c in load_cases(only=self.case_ids)}
+        return self._cases
+
+    @property
+    def model(self):
+        if self._model is None:
+            from .model import load_model
+
+            self._model = load_model(self.weights)
+        return self._model
+
+    def traces(self, case_id: str):
+        if case_id not in self._traces:
+            from .reference import load_traces
+
+            self._traces[case_id] = load_traces(self.model, self.cases[case_id])
+        return self._traces[case_id]
+
+    def items(self, backends: list[str], steps: list[str] | None = None, modes=MODES) -> list[Item]:
+        from .steps import STEP_NAMES
+
+        return [Item(c, s, b, m) for c in self.cases for s in (steps or STEP_NAMES) for b in backends for m in modes]
+
+    # -- one item -------------------------------------------------------------------------
+    def run(self, item: Item) -> Record:
+        record = self._run(item)
+        record.write(self.report_dir / "records")
+        self.counts[f"verdict_{record.verdict.value}"] += 1
+        return record
+
+    def _run(self, item: Item) -> Record:
+        import torch
+
+        from .patches import PATCHES, canonical
+        from .steps import get_step
+
+        backend = get_backend(item.backend)
+        step = get_step(item.step)
+        patches = list(canonical(backend.patches))
+        rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=patches,
+                     semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
+                     model={"name": self.model.name, "digest": self.model.digest, "source": self.model.source},
+                     versions=versions(backend))
+        ok, why = backend.available()
+        if not ok:
+            rec.reason = why
+            return rec
+
+        traces = self.traces(item.case)
+        inputs = traces.inputs(item.step, item.mode, "float32")
+        shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
+
+        # export (once per step, shapes and patches; shared by every backend)
+        program_key = content_key("program", PROGRAM_VERSION, item.step, shapes, patches, self.model.digest,
+                                  torch.__version__)
+        program_dir, result = self._cached_job(
+            "programs", program_key, "exports", "harness.programs:export_step", self.limits.export_s,
+            lambda tmp: dict(weights=self.weights, expected_digest=self.model.digest, step=item.step,
+                             patches=patches, inputs_path=str(_save_inputs(tmp, inputs)),
+                             out_path=str(tmp / "program.pt2")))
+        rec.cache["program"] = "hit" if result is None else "miss"
+        if result is not None:
+            rec.timings["export_s"] = result.seconds
+            rec.peak_rss_mb["export"] = result.peak_rss_mb
+            if not result.ok:
+                return _failed(rec, result, Verdict.EXPORT_ERROR)
+
+        # compile (once per program and backend version)
+        artifact_key = content_key("artifact", program_key, backend.name, backend.version())
+        artifact_dir, result = self._cached_job(
+            "artifacts", artifact_key, "compiles", "harness.backends:compile_job", self.limits.compile_s,
+            lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp)))
+        rec.cache["artifact"] = "hit" if result is None else "miss"
+        if result is not None:
+            rec.timings["compile_s"] = result.seconds
+            rec.peak_rss_mb["compile"] = result.peak_rss_mb
+            if not result.ok:
+                return _failed(rec, result, Verdict.COMPILE_ERROR)
+        meta = json.loads((artifact_dir / "result.json").read_text())["value"]
+        rec.audit, rec.artifact_bytes = meta["audit"], meta["artifact_bytes"]
+
+        # run (always)
+        run_dir = self.report_dir / "runs" / item.id
+        _save_inputs(run_dir, inputs)
+        result = run_job("harness.backends:run_job",
+                         dict(backend=backend.name, artifact_path=str(artifact_dir / backend.artifact_name),
+                              inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
+                         run_dir, self.limits.run_s)
+        self.counts["runs"] += 1
+        rec.timings["run_s"] = result.value["run_s"] if result.ok else result.seconds
+        rec.timings["run_job_s"] = result.seconds
+        rec.peak_rss_mb["run"] = result.peak_rss_mb
+        if not result.ok:
+            return _failed(rec, result, Verdict.RUN_ERROR)
+        outputs = torch.load(run_dir / "outputs.pt", weights_only=True)
+        return self._judge(rec, item, traces, outputs)
+
+    def _judge(self, rec: Record, item: Item, traces, outputs) -> Record:
+        from .steps import get_step
+
+        names = get_step(item.step).output_names
+        if len(outputs) != len(names):
+            rec.verdict, rec.reason = Verdict.RUN_ERROR, f"{len(outputs)} outputs, expected {len(names)} ({names})"
+            return rec
+        from .reference import REFERENCE_PATCHES, variant_outputs
+
+        fp32 = traces.outputs(item.step, item.mode, "float32")
+        fp64 = traces.outputs(item.step, item.mode, "float64")
+        base32 = fp32
+        variant = tuple(p for p in rec.semantic_patches if p not in REFERENCE_PATCHES[item.mode])
+        if variant:
+            ref = variant_outputs(self.model, self.cases[item.case], traces, item.step, item.mode, variant)
+            fp32, fp64 = ref["float32"], ref["float64"]
+        for name, out in zip(names, outputs):
+            ref = fp64[name]
+            if tuple(out.shape) != tuple(ref.shape):
+                rec.verdict, rec.reason = Verdict.FAIL, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+                return rec
+            v = lambda t: traces.valid_region(item.step, name, t)  # noqa: E731
+            rec.metrics[name] = compare_to_floor(v(out), v(fp32[name]), v(ref))
+            if variant:
+                drift = error_metrics(v(fp32[name]), v(base32[name]))
+                rec.patch_drift[name] = {k: drift[k] for k in ("rel_l2", "max_abs", "snr_db")}
+            if item.mode == "static":
+                dyn = traces.outputs(item.step, "dynamic", "float32")[name]
+                drift = error_metrics(v(fp32[name]), dyn)
+                rec.rewrite_drift[name] = {k: drift[k] for k in ("rel_l2", "max_abs", "snr_db")}
+        rec.verdict, rec.reason = judge(rec.metrics, self.profile.for_(item.step, item.backend, item.mode))
+        return rec
+
+    def _cached_job(self, kind, key, counter, function, timeout, make_kwargs) -> tuple[Path, JobResult | None]:
+        """Run a job whose output directory is a cache entry. Returns (entry, None) on a hit."""
+        entry = cache.entry(kind, key)
+        if (entry / ".complete").exists():
+            self.counts[f"{kind}_hits"] += 1
+            return entry, None
+        outcome: dict = {}
+
+        def build(tmp: Path) -> None:
+            result = run_job(function, make_kwargs(tmp), tmp, timeout)
+            outcome["result"] = result
+            if not result.ok:
+                raise _JobFailed()
+
+        self.counts[counter] += 1
+        self.counts[f"{kind}_misses"] += 1
+        try:
+            entry, hit = cache.get_or_build(kind, key, build)
+        except _JobFailed:
+            return entry, outcome["result"]
+        return entry, outcome.get("result")
+
+
+class _JobFailed(Exception):
+    pass
+
+
+def _save_inputs(directory: Path, inputs: dict) -> Path:
+    import torch
+
+    from .files import atomic_write
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return atomic_write(directory / "inputs.pt", lambda f: torch.save([t.contiguous() for t in inputs.values()], f))
+
+
+def _failed(rec: Record, result: JobResult, error_verdict: Verdict) -> Record:
+    rec.verdict = {"crashed": Verdict.CRASHED, "timeout": Verdict.TIMEOUT}.get(result.status, error_verdict)
+    rec.reason = result.error
+    rec.log = result.log_tail
+    return rec
+
+
+def versions(backend: Backend) -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "harness": __version__, "backend": backend.version(),
+           "platform": platform.platform()}
+    for pkg in ("torch", "kokoro", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

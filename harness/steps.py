@@ -1,0 +1,161 @@
+"""The pipeline: `KModel.forward_with_tokens` cut into named steps, each an `nn.Module` with named
+inputs and outputs, and the unit of each axis that varies (tokens, frames, ...).
+
+Units are what make static buckets and valid regions mechanical: an input is padded to the bucket
+along its unit axes, and an output is compared on the valid region along the same axes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .patches import NOISE_INPUTS, provide_noise, run_packed
+
+# Unit -> how many of it per token / alignment frame. `samples` = 600 per frame (24 kHz).
+FRAME_UNITS = {"frames": 1, "frames2": 2, "samples": 600}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A named step input or output; `axes` maps an axis index to its unit."""
+
+    name: str
+    axes: dict[int, str] = field(default_factory=dict)
+    pad_value: float = 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    build: Callable[[nn.Module], nn.Module]
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    stage: str  # "duration" (tokens) or "synthesizer" (frames): what a bucketed port compiles
+    lstm: bool = False  # holds a packed (or padded) LSTM: the steps that static exports change
+    module_path: str = ""  # where the step sits in KModel, for reports and bisection
+    doc: str = ""
+
+    def module(self, kmodel: nn.Module) -> nn.Module:
+        return self.build(kmodel).eval()
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+
+class _StepModule(nn.Module):
+    def __init__(self, kmodel: nn.Module):
+        super().__init__()
+        self.kmodel = kmodel
+
+
+class BertStep(_StepModule):
+    def forward(self, input_ids, attention_mask):
+        return self.kmodel.bert(input_ids, attention_mask=attention_mask)
+
+
+class BertEncoderStep(_StepModule):
+    def forward(self, bert_dur):
+        return self.kmodel.bert_encoder(bert_dur).transpose(-1, -2)
+
+
+class DurationEncoderStep(_StepModule):
+    def forward(self, d_en, s_pred, input_lengths, text_mask):
+        return self.kmodel.predictor.text_encoder(d_en, s_pred, input_lengths, text_mask)
+
+
+class DurationStep(_StepModule):
+    """predictor.lstm + duration_proj. Kokoro runs this LSTM unpacked on the exact length, which
+    at batch 1 equals packed; patched models route it through their LSTM strategy."""
+
+    def forward(self, d, input_lengths, speed):
+        run = getattr(self.kmodel, "_parity_run_lstm", run_packed)
+        x = run(self.kmodel.predictor.lstm, d, input_lengths)
+        duration = self.kmodel.predictor.duration_proj(x)
+        return torch.sigmoid(duration).sum(axis=-1) / speed
+
+
+class F0NStep(_StepModule):
+    def forward(self, en, s_pred):
+        return self.kmodel.predictor.F0Ntrain(en, s_pred)
+
+
+class TextEncoderStep(_StepModule):
+    def forward(self, input_ids, input_lengths, text_mask):
+        return self.kmodel.text_encoder(input_ids, input_lengths, text_mask)
+
+
+class DecoderStep(_StepModule):
+    def forward(self, asr, F0_pred, N_pred, s_dec, rand_ini, sine_noise, source_noise):
+        with provide_noise(dict(rand_ini=rand_ini, sine_noise=sine_noise, source_noise=source_noise)):
+            return self.kmodel.decoder(asr, F0_pred, N_pred, s_dec).squeeze(1)
+
+
+class GeneratorStep(_StepModule):
+    def forward(self, x, s_dec, F0_pred, rand_ini, sine_noise, source_noise):
+        with provide_noise(dict(rand_ini=rand_ini, sine_noise=sine_noise, source_noise=source_noise)):
+            return self.kmodel.decoder.generator(x, s_dec, F0_pred).squeeze(1)
+
+
+T = Tensor
+_TOK = {1: "tokens"}
+_NOISE = (T("rand_ini"), T("sine_noise", {1: "samples"}), T("source_noise", {1: "samples"}))
+
+STEPS: tuple[Step, ...] = (
+    Step("bert", BertStep, (T("input_ids", _TOK), T("attention_mask", _TOK)), (T("bert_dur", _TOK),),
+         "duration", module_path="bert", doc="ALBERT over the tokens"),
+    Step("bert_encoder", BertEncoderStep, (T("bert_dur", _TOK),), (T("d_en", {2: "tokens"}),),
+         "duration", module_path="bert_encoder"),
+    Step("duration_encoder", DurationEncoderStep,
+         (T("d_en", {2: "tokens"}), T("s_pred"), T("input_lengths"), T("text_mask", _TOK, pad_value=1)),
+         (T("d", _TOK),), "duration", lstm=True, module_path="predictor.text_encoder"),
+    Step("duration", DurationStep, (T("d", _TOK), T("input_lengths"), T("speed")), (T("duration", _TOK),),
+         "duration", lstm=True, module_path="predictor.lstm+duration_proj"),
+    Step("f0n", F0NStep, (T("en", {2: "frames"}), T("s_pred")),
+         (T("F0_pred", {1: "frames2"}), T("N_pred", {1: "frames2"})),
+         "synthesizer", lstm=True, module_path="predictor.F0Ntrain"),
+    Step("text_encoder", TextEncoderStep,
+         (T("input_ids", _TOK), T("input_lengths"), T("text_mask", _TOK, pad_value=1)),
+         (T("t_en", {2: "tokens"}),), "synthesizer", lstm=True, module_path="text_encoder"),
+    Step("decoder", DecoderStep,
+         (T("asr", {2: "frames"}), T("F0_pred", {1: "frames2"}), T("N_pred", {1: "frames2"}), T("s_dec"), *_NOISE),
+         (T("audio", {1: "samples"}),), "synthesizer", module_path="decoder"),
+    Step("generator", GeneratorStep,
+         (T("gen_x", {2: "frames2"}), T("s_dec"), T("F0_pred", {1: "frames2"}), *_NOISE),
+         (T("gen_audio", {1: "samples"}),), "synthesizer", module_path="decoder.generator"),
+)
+STEP_NAMES = tuple(s.name for s in STEPS)
+EXPORTED_STEPS = STEP_NAMES  # `alignment` (host) and `e2e` (a composition) are not single programs
+PIPELINE_STEP_NAMES = (*STEP_NAMES[:4], "alignment", *STEP_NAMES[4:], "e2e")
+
+
+def get_step(name: str) -> Step:
+    for s in STEPS:
+        if s.name == name:
+            return s
+    raise KeyError(f"unknown step {name!r}; steps: {', '.join(STEP_NAMES)}")
+
+
+def build_alignment(duration: torch.Tensor, n_tokens: int, n_frames_total: int | None = None):
+    """Host side, as in kokoro: round the durations of the valid tokens, clamp at 1, and build the
+    one-hot alignment [1, tokens, frames]; extra frames (a bucket) are zero columns."""
+    pred_dur = torch.round(duration[0, :n_tokens]).clamp(min=1).long()
+    n_frames = int(pred_dur.sum())
+    total = n_frames if n_frames_total is None else n_frames_total
+    if total < n_frames:
+        raise ValueError(f"{n_frames} predicted frames do not fit the bucket of {total} frames")
+    indices = torch.repeat_interleave(torch.arange(n_tokens), pred_dur)
+    aln = torch.zeros(1, duration.shape[1], total, dtype=duration.dtype)
+    aln[0, indices, torch.arange(n_frames)] = 1
+    return pred_dur, aln, n_frames
+
+
+def noise_names() -> tuple[str, ...]:
+    return NOISE_INPUTS

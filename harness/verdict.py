@@ -1,0 +1,109 @@
+"""The one place that decides verdicts.
+
+Statuses follow coremltools' PASS / FAIL / UNKNOWN idea, with the failure kinds a port meets.
+The accuracy rule is torch's minifier rule: the backend's error against float64 may be a small
+multiple of fp32 eager's own error against float64 (the noise floor), or under an explicit
+tolerance. A NaN or Inf that the reference does not have always fails.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+
+class Verdict(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    EXPORT_ERROR = "export_error"
+    COMPILE_ERROR = "compile_error"
+    RUN_ERROR = "run_error"
+    CRASHED = "crashed"
+    TIMEOUT = "timeout"
+    SKIPPED = "skipped"
+
+    @property
+    def ok(self) -> bool:
+        return self in (Verdict.PASS, Verdict.SKIPPED)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass when rel_l2 <= floor_multiplier * floor_rel_l2, or rel_l2 <= rel_l2 (absolute)."""
+
+    floor_multiplier: float = 4.0
+    rel_l2: float = 1e-5
+    min_cosine: float | None = None
+
+
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "tolerances.yaml"
+
+
+@dataclass
+class Profile:
+    """Tolerances with a default and overrides keyed by step and/or backend (Polygraphy-style)."""
+
+    default: Tolerance = field(default_factory=Tolerance)
+    overrides: list[tuple[dict[str, str], Tolerance]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "Profile":
+        path = Path(path or DEFAULT_PROFILE)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"tolerance profile {path}: cannot read ({e})") from None
+        try:
+            default = Tolerance(**data.get("default", {}))
+            overrides = []
+            for i, o in enumerate(data.get("overrides", [])):
+                match = {k: o.pop(k) for k in ("step", "backend", "mode") if k in o}
+                overrides.append((match, Tolerance(**{**default.__dict__, **o})))
+        except TypeError as e:
+            raise ValueError(f"tolerance profile {path}: {e}") from None
+        return cls(default, overrides)
+
+    def for_(self, step: str, backend: str, mode: str) -> Tolerance:
+        tol = self.default
+        item = dict(step=step, backend=backend, mode=mode)
+        for match, t in self.overrides:
+            if all(item[k] == v for k, v in match.items()):
+                tol = t
+        return tol
+
+
+def comparator(tol: Tolerance) -> Callable[[dict[str, Any]], tuple[bool, str]]:
+    """Build the accuracy check for one tolerance: metrics of one output -> (ok, why)."""
+
+    def check(m: dict[str, Any]) -> tuple[bool, str]:
+        if m.get("new_nonfinite", 0) or m.get("nan_rate", 0) or m.get("inf_rate", 0):
+            return False, f"non-finite output (NaN rate {m['nan_rate']:.2%}, Inf rate {m['inf_rate']:.2%})"
+        rel, floor = m["rel_l2"], m.get("floor_rel_l2", math.nan)
+        if math.isnan(rel):
+            return False, "error is NaN"
+        if tol.min_cosine is not None and m["cosine"] < tol.min_cosine:
+            return False, f"cosine {m['cosine']:.6f} < {tol.min_cosine}"
+        if rel <= tol.rel_l2:
+            return True, f"rel_l2 {rel:.2e} <= tolerance {tol.rel_l2:.0e}"
+        if not math.isnan(floor) and rel <= tol.floor_multiplier * floor:
+            return True, f"rel_l2 {rel:.2e} <= {tol.floor_multiplier:g} x fp32 floor {floor:.2e}"
+        return False, (f"rel_l2 {rel:.2e} > {tol.floor_multiplier:g} x fp32 floor {floor:.2e} "
+                       f"and > tolerance {tol.rel_l2:.0e}")
+
+    return check
+
+
+def judge(per_output: dict[str, dict[str, Any]], tol: Tolerance) -> tuple[Verdict, str]:
+    check = comparator(tol)
+    failures = []
+    for name, m in per_output.items():
+        ok, why = check(m)
+        if not ok:
+            failures.append(f"{name}: {why}")
+    if failures:
+        return Verdict.FAIL, "; ".join(failures)
+    return Verdict.PASS, "; ".join(f"{n}: {check(m)[1]}" for n, m in per_output.items())

@@ -1,0 +1,25 @@
+"""Shared fixtures for the unit tests: a seeded random Kokoro (fast) and small decoder inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def random_model():
+    from harness.model import load_random
+
+    return load_random(0)
+
+
+@pytest.fixture(scope="session")
+def decoder_inputs():
+    """Decoder inputs for 12 frames (7,200 samples), deterministic."""
+    g = torch.Generator().manual_seed(1)
+    frames = 12
+    asr = torch.randn(1, 512, frames, generator=g)
+    f0 = 150 + 50 * torch.rand(1, 2 * frames, generator=g)
+    f0[:, :4] = 0  # an unvoiced stretch, so both noise branches matter
+    n = torch.randn(1, 2 * frames, generator=g)
+    s = torch.randn(1, 128, generator=g)
+    return asr, f0, n, s, frames

@@ -1,0 +1,236 @@
+"""LengthAwareLSTM against Kokoro's packed LSTM (pack_padded_sequence -> nn.LSTM -> pad_packed).
+
+Error metric: ``rel`` is the norm-wise relative error ||y - ref|| / ||ref||. Two correct float32
+LSTM implementations do not agree bit for bit: on CPU, nn.LSTM's own packed, unpacked and oneDNN
+paths differ by up to ~1e-6 of max|ref| in single elements (GEMM blocking changes with the batch
+composition of each step), and each is ~8e-7 from a float64 truth. So the float32 checks use the
+norm-wise 1e-6 and bound the worst element at 4e-6 of max|ref|; the float64 checks use 1e-12.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from harness.length_aware_lstm import (
+    LengthAwareLSTM,
+    lengths_to_mask,
+    packed_lstm_reference,
+    reverse_within_length,
+)
+
+KOKORO = (640, 256)  # d_hid + style_dim -> d_hid // 2, as in Kokoro-82M
+SMALL = (5, 3)
+T = 9
+LENGTHS = {1: [6], 4: [7, 3, 5, 1]}
+IMPLS = ("aten", "unrolled")
+
+
+def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def max_rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+def make(sizes, bidirectional=True, bias=True, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    lstm = nn.LSTM(sizes[0], sizes[1], 1, batch_first=True, bidirectional=bidirectional, bias=bias)
+    return lstm.to(dtype).eval()
+
+
+def inputs(B, C, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=g, dtype=dtype)
+    return x, torch.tensor(LENGTHS[B], dtype=torch.int64)
+
+
+# -- parity with the packed reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("sizes", [KOKORO, SMALL], ids=["kokoro", "small"])
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["bi", "uni"])
+def test_matches_packed_float32(impl, B, sizes, bidirectional):
+    lstm = make(sizes, bidirectional)
+    x, lengths = inputs(B, sizes[0])
+    with torch.no_grad():
+        ref, _ = packed_lstm_reference(lstm, x, lengths)
+        y = LengthAwareLSTM(lstm, impl)(x, lengths)
+    assert y.shape == (B, T, sizes[1] * (2 if bidirectional else 1))
+    assert rel(y, ref) <= 1e-6
+    assert max_rel(y, ref) <= 4e-6
+    pad = ~lengths_to_mask(lengths, T)
+    assert torch.count_nonzero(y[pad]) == 0  # padded steps exactly zero
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("sizes", [KOKORO, SMALL], ids=["kokoro", "small"])
+def test_matches_packed_float64(impl, B, sizes):
+    lstm = make(sizes)
+    module = LengthAwareLSTM(lstm, impl).double()  # shared parameters: converts `lstm` too
+    assert lstm.weight_ih_l0.dtype == torch.float64
+    x, lengths = inputs(B, sizes[0], dtype=torch.float64)
+    with torch.no_grad():
+        ref, _ = packed_lstm_reference(lstm, x, lengths)
+        y = module(x, lengths)
+    assert y.dtype == torch.float64
+    assert rel(y, ref) <= 1e-12
+    assert max_rel(y, ref) <= 1e-12
+    assert torch.count_nonzero(y[~lengths_to_mask(lengths, T)]) == 0
+
+
+def test_naive_static_run_does_not_match():
+    """The failure this module exists for: nn.LSTM on the padded input, outputs masked."""
+    lstm = make(KOKORO)
+    x, lengths = inputs(4, KOKORO[0])
+    with torch.no_grad():
+        ref, _ = packed_lstm_reference(lstm, x, lengths)
+        naive = lstm(x)[0] * lengths_to_mask(lengths, T).unsqueeze(-1)
+        H = KOKORO[1]
+        # The forward direction is causal, so only the reverse half goes wrong ...
+        assert rel(naive[..., :H], ref[..., :H]) <= 1e-6
+        assert rel(naive[..., H:], ref[..., H:]) > 1e-2
+        assert rel(naive, ref) > 1e-3
+        # ... and only for sequences shorter than T (B=1 with full length is fine).
+        full = torch.full((1,), T)
+        ref_full, _ = packed_lstm_reference(lstm, x[:1], full)
+        assert rel(lstm(x[:1])[0], ref_full) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_content_is_ignored(impl):
+    lstm = make(SMALL)
+    x, lengths = inputs(4, SMALL[0])
+    pad = ~lengths_to_mask(lengths, T)
+    dirty = x.clone()
+    dirty[pad] = float("nan")
+    dirty[1, -1] = float("inf")
+    module = LengthAwareLSTM(lstm, impl)
+    with torch.no_grad():
+        assert torch.equal(module(dirty, lengths), module(x, lengths))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_initial_state(impl):
+    lstm = make(SMALL)
+    x, lengths = inputs(4, SMALL[0])
+    g = torch.Generator().manual_seed(7)
+    hx = (torch.randn(2, 4, SMALL[1], generator=g), torch.randn(2, 4, SMALL[1], generator=g))
+    with torch.no_grad():
+        ref, _ = packed_lstm_reference(lstm, x, lengths, hx)
+        y = LengthAwareLSTM(lstm, impl)(x, lengths, hx)
+    assert rel(y, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("sizes", [KOKORO, SMALL], ids=["kokoro", "small"])
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["bi", "uni"])
+def test_final_state(sizes, bidirectional):
+    lstm = make(sizes, bidirectional)
+    x, lengths = inputs(4, sizes[0])
+    with torch.no_grad():
+        ref, (h_ref, c_ref) = packed_lstm_reference(lstm, x, lengths)
+        y, (h, c) = LengthAwareLSTM(lstm).forward_with_state(x, lengths)
+    assert rel(y, ref) <= 1e-6
+    assert h.shape == h_ref.shape and c.shape == c_ref.shape
+    assert rel(h, h_ref) <= 1e-6
+    assert rel(c, c_ref) <= 1e-6
+
+
+def test_no_bias():
+    lstm = make(SMALL, bias=False)
+    x, lengths = inputs(4, SMALL[0])
+    with torch.no_grad():
+        ref, _ = packed_lstm_reference(lstm, x, lengths)
+        for impl in IMPLS:
+            assert rel(LengthAwareLSTM(lstm, impl)(x, lengths), ref) <= 1e-6
+
+
+# -- parameters and helpers -------------------------------------------------------------------
+
+
+def test_parameters_are_shared_under_lstm_names():
+    lstm = make(SMALL)
+    module = LengthAwareLSTM(lstm)
+    assert list(module.state_dict()) == list(lstm.state_dict())
+    for name, p in lstm.named_parameters():
+        assert getattr(module, name) is p
+    # A Kokoro checkpoint's LSTM weights load straight in.
+    other = make(SMALL, seed=3)
+    module.load_state_dict(other.state_dict())
+    assert torch.equal(lstm.weight_hh_l0_reverse, other.weight_hh_l0_reverse)
+
+
+def test_rejects_unsupported_lstms():
+    with pytest.raises(ValueError):
+        LengthAwareLSTM(nn.LSTM(4, 3, num_layers=2, batch_first=True))
+    with pytest.raises(ValueError):
+        LengthAwareLSTM(nn.LSTM(4, 3, batch_first=False))
+    with pytest.raises(ValueError):
+        LengthAwareLSTM(nn.LSTM(4, 3, batch_first=True, proj_size=2))
+
+
+def test_rejects_bad_lengths_in_eager():
+    module = LengthAwareLSTM(make(SMALL))
+    x, _ = inputs(4, SMALL[0])
+    for bad in ([7, 3, 5, 0], [7, 3, 5, T + 1]):
+        with pytest.raises(ValueError):
+            module(x, torch.tensor(bad))
+
+
+def test_helpers():
+    lengths = torch.tensor([3, 1, 4])
+    mask = lengths_to_mask(lengths, 4)
+    assert mask.tolist() == [[True, True, True, False], [True, False, False, False], [True] * 4]
+    x = torch.arange(12.0).view(3, 4, 1)
+    r = reverse_within_length(x, lengths)
+    assert r[..., 0].tolist() == [[2, 1, 0, 3], [4, 5, 6, 7], [11, 10, 9, 8]]
+    assert torch.equal(reverse_within_length(r, lengths), x)
+
+
+# -- torch.export -----------------------------------------------------------------------------
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, lstm: nn.LSTM, impl: str):
+        super().__init__()
+        self.lstm = LengthAwareLSTM(lstm, impl)
+
+    def forward(self, x, lengths):
+        return self.lstm(x, lengths)
+
+
+def _ops(ep) -> set[str]:
+    return {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_torch_export_static(impl):
+    lstm = make(KOKORO)
+    model = _Wrapper(lstm, impl).eval()
+    Tx = 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, Tx, KOKORO[0], generator=g)
+    ep = torch.export.export(model, (x, torch.tensor([11])), strict=False)
+    ops = _ops(ep)
+    assert not any("pack" in op for op in ops)
+    assert ("aten.lstm.input" in ops) == (impl == "aten")
+    assert "aten.gather.default" in ops and "aten.where.self" in ops
+    decomposed = ep.run_decompositions()  # core ATen, what ExecuTorch's to_edge sees
+    assert "aten.lstm.input" not in _ops(decomposed)
+    # lengths is a runtime input: a different length through the same program.
+    for n in (11, 4, Tx):
+        lengths = torch.tensor([n])
+        with torch.no_grad():
+            eager = model(x, lengths)
+            ref, _ = packed_lstm_reference(lstm, x, lengths)
+        for prog in (ep, decomposed):
+            y = prog.module()(x, lengths)
+            assert max_rel(y, eager) <= 1e-6
+            assert rel(y, ref) <= 1e-6
+            assert torch.count_nonzero(y[0, n:]) == 0

@@ -1,0 +1,125 @@
+"""Every patch: the preserving ones match eager within 1e-6 relative; the others are declared as
+changing semantics, and their drift is measurable (non-zero), so a report can show it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.patches import PATCHES, apply_patches, provide_noise, sample_noise, set_lstm_strategy, run_packed
+from harness.steps import get_step
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def decode(model, inputs, noise=None, seed=None):
+    asr, f0, n, s, _ = inputs
+    with torch.no_grad():
+        if noise is None:
+            torch.manual_seed(seed)
+            return model.decoder(asr, f0, n, s)
+        with provide_noise(noise):
+            return model.decoder(asr, f0, n, s)
+
+
+def test_noise_as_input_reproduces_kokoros_own_draws(random_model, decoder_inputs):
+    """Same seed, same order of draws: the patched decoder equals the original one."""
+    frames = decoder_inputs[-1]
+    original = decode(random_model.kmodel, decoder_inputs, seed=123)
+    patched = apply_patches(random_model.kmodel, ["noise_as_input"])
+    out = decode(patched, decoder_inputs, noise=sample_noise(123, 600 * frames))
+    assert out.shape == original.shape
+    assert rel(out, original) < 1e-6
+
+
+def test_noise_as_input_uses_the_noise(random_model, decoder_inputs):
+    frames = decoder_inputs[-1]
+    patched = apply_patches(random_model.kmodel, ["noise_as_input"])
+    a = decode(patched, decoder_inputs, noise=sample_noise(1, 600 * frames))
+    b = decode(patched, decoder_inputs, noise=sample_noise(2, 600 * frames))
+    assert rel(a, b) > 1e-3
+
+
+def test_patched_generator_without_noise_is_an_error(random_model, decoder_inputs):
+    patched = apply_patches(random_model.kmodel, ["noise_as_input"])
+    asr, f0, n, s, _ = decoder_inputs
+    with pytest.raises(RuntimeError, match="without noise inputs"):
+        patched.decoder(asr, f0, n, s)
+
+
+@pytest.mark.parametrize("name", ["dropout_identity", "fold_weight_norm"])
+def test_preserving_patches_match_eager(random_model, decoder_inputs, name):
+    frames = decoder_inputs[-1]
+    noise = sample_noise(7, 600 * frames)
+    base = apply_patches(random_model.kmodel, ["noise_as_input"])
+    patched = apply_patches(random_model.kmodel, ["noise_as_input", name])
+    assert PATCHES[name].preserves_semantics
+    assert rel(decode(patched, decoder_inputs, noise), decode(base, decoder_inputs, noise)) < 1e-6
+
+
+def test_fold_weight_norm_removes_every_weight_norm(random_model):
+    patched = apply_patches(random_model.kmodel, ["fold_weight_norm"])
+    assert not [n for n, _ in patched.named_parameters() if n.endswith("weight_g")]
+    assert [n for n, _ in random_model.kmodel.named_parameters() if n.endswith("weight_g")]
+
+
+def test_dropout_identity_leaves_no_dropout(random_model):
+    patched = apply_patches(random_model.kmodel, ["dropout_identity"])
+    assert not [m for m in patched.modules() if isinstance(m, torch.nn.Dropout)]
+
+
+def test_patches_work_on_a_copy(random_model):
+    before = {k: v.clone() for k, v in random_model.kmodel.state_dict().items()}
+    apply_patches(random_model.kmodel, list(PATCHES))
+    after = random_model.kmodel.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_custom_stft_is_declared_and_its_drift_is_measurable(random_model, decoder_inputs):
+    frames = decoder_inputs[-1]
+    noise = sample_noise(7, 600 * frames)
+    base = apply_patches(random_model.kmodel, ["noise_as_input"])
+    patched = apply_patches(random_model.kmodel, ["noise_as_input", "custom_stft"])
+    assert not PATCHES["custom_stft"].preserves_semantics
+    assert rel(decode(patched, decoder_inputs, noise), decode(base, decoder_inputs, noise)) > 1e-6
+
+
+def _duration_encoder_io(T=11, valid=7):
+    g = torch.Generator().manual_seed(3)
+    d_en = torch.randn(1, 512, T, generator=g)
+    s = torch.randn(1, 128, generator=g)
+    lengths = torch.tensor([valid])
+    mask = torch.arange(T)[None] >= valid
+    return d_en, s, lengths, mask
+
+
+def test_rewritten_lstm_forwards_with_packing_equal_kokoros(random_model):
+    """The LSTM-strategy rewrite of TextEncoder/DurationEncoder is kokoro's forward when packed."""
+    d_en, s, lengths, mask = _duration_encoder_io()
+    ids = torch.randint(1, 170, (1, 11), generator=torch.Generator().manual_seed(4))
+    rewritten = apply_patches(random_model.kmodel, [])
+    set_lstm_strategy(rewritten, run_packed)
+    with torch.no_grad():
+        assert rel(rewritten.predictor.text_encoder(d_en, s, lengths, mask),
+                   random_model.kmodel.predictor.text_encoder(d_en, s, lengths, mask)) < 1e-6
+        assert rel(rewritten.text_encoder(ids, lengths, mask), random_model.kmodel.text_encoder(ids, lengths, mask)) < 1e-6
+
+
+def test_no_packing_is_exact_on_exact_lengths_and_drifts_on_padding(random_model):
+    assert not PATCHES["no_packing"].preserves_semantics
+    step = get_step("duration_encoder")
+    padded = apply_patches(random_model.kmodel, ["no_packing"])
+    d_en, s, lengths, mask = _duration_encoder_io(T=11, valid=11)
+    with torch.no_grad():
+        exact = step.module(padded)(d_en, s, lengths, mask)
+        assert rel(exact, step.module(random_model.kmodel)(d_en, s, lengths, mask)) < 1e-6
+        d_en, s, lengths, mask = _duration_encoder_io(T=11, valid=7)
+        drift = step.module(padded)(d_en, s, lengths, mask)[:, :7]
+        ref = step.module(random_model.kmodel)(d_en, s, lengths, mask)[:, :7]
+    assert rel(drift, ref) > 1e-3
+
+
+def test_unknown_patch_is_named():
+    with pytest.raises(KeyError, match="no_such_patch"):
+        apply_patches(torch.nn.Module(), ["no_such_patch"])
