@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install parity matrix test bench clean-cache
+.PHONY: install parity matrix test bench clean-cache nightly dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ parity: install
 # Every step x every installed backend x both modes (LSTM lowerings take minutes each).
 matrix: install
 	$(BIN)/pytest $(ARGS)
+
+# Every case x step x installed backend x both modes into one history entry (reports/history/), JUnit
+# XML (reports/junit/nightly.xml), regressions against the previous run, and the dashboard.
+# Restrict it like `kokoro-parity run`: make nightly ARGS="--backend eager --step decoder".
+nightly: install
+	$(BIN)/kokoro-parity nightly --dashboard reports/dashboard $(ARGS)
+
+# The static site of the history: open reports/dashboard/index.html (no network needed).
+dashboard: install
+	$(BIN)/kokoro-parity dashboard $(ARGS)
 
 test: install
 	$(BIN)/pytest tests/unit $(ARGS)

@@ -17,6 +17,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
     p.add_argument("--report-dir", default="reports", type=Path)
     p.add_argument("--profile", help="tolerance profile YAML")
+    p.add_argument("--with-patch", action="append", default=[], help="add a patch to every backend's own")
 
 
 def cmd_run(args) -> int:
@@ -26,7 +27,7 @@ def cmd_run(args) -> int:
     from .verdict import Profile
 
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
-                      profile=Profile.load(args.profile))
+                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
     records = []
@@ -38,6 +39,61 @@ def cmd_run(args) -> int:
     c = session.counts
     print(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}")
     return 0 if all(r.verdict.ok for r in records) else 1
+
+
+def cmd_nightly(args) -> int:
+    """The whole matrix (or the selected part) into one history entry, compared with the last one."""
+    from .backends import backend_names, get_backend
+    from .history import nightly
+    from .runner import Session
+    from .verdict import Profile
+
+    session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
+                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
+    backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
+    modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
+    items = session.items(backends, args.step, modes)
+    history_dir = args.history_dir or args.report_dir / "history"
+    selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(modes),
+                     weights=args.weights, profile=args.profile, with_patch=args.with_patch)
+    result = nightly(session, items, history_dir, junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
+                     factor=args.factor, selection=selection,
+                     on_record=lambda r: print(f"{r.item_id}: {r.verdict.value.upper()}  {r.reason}"[:200], flush=True))
+    for problem in result.problems:
+        print(f"history: unreadable file {problem}", file=sys.stderr)
+    print(result.summary())
+    if args.dashboard:
+        from .dashboard import build_dashboard
+
+        print(f"dashboard: {build_dashboard(history_dir, args.dashboard, report_dir=args.report_dir, factor=args.factor)}")
+    return 1 if result.regressions else 0
+
+
+def cmd_dashboard(args) -> int:
+    from .dashboard import build_dashboard
+
+    out = build_dashboard(args.history_dir or args.report_dir / "history", args.out or args.report_dir / "dashboard",
+                          report_dir=args.report_dir, factor=args.factor)
+    print(f"dashboard: {out / 'index.html'}")
+    return 0
+
+
+def cmd_drift(args) -> int:
+    """Rewrite drift of the static references, with and without extra patches, per case and step."""
+    from tabulate import tabulate
+
+    from .reference import rewrite_drift
+    from .runner import Session
+
+    session = Session(weights=args.weights, case_ids=args.case)
+    rows = []
+    for case_id, case in session.cases.items():
+        traces = session.traces(case_id)
+        for variant in ((), tuple(args.with_patch)) if args.with_patch else ((),):
+            rows += [r for r in rewrite_drift(session.model, case, traces, variant)
+                     if not args.step or r["step"] in args.step]
+    print(tabulate(rows, headers="keys", floatfmt=".2e"))
+    return 0
 
 
 def cmd_backends(args) -> int:
@@ -86,6 +142,25 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_options(p)
     p.set_defaults(fn=cmd_run)
     sub.add_parser("backends", help="list backends and whether they can run here").set_defaults(fn=cmd_backends)
+    p = sub.add_parser("drift", help="rewrite drift of the static references (no backend), per case and step")
+    p.add_argument("--case", action="append")
+    p.add_argument("--step", action="append")
+    p.add_argument("--weights")
+    p.add_argument("--with-patch", action="append", default=[], help="also measure with this patch (e.g. length_aware_lstm)")
+    p.set_defaults(fn=cmd_drift)
+    p = sub.add_parser("nightly", help="run the matrix into a history entry + JUnit XML; print regressions")
+    _add_run_options(p)
+    p.add_argument("--history-dir", type=Path, help="default: <report-dir>/history")
+    p.add_argument("--junit", type=Path, help="default: <report-dir>/junit/nightly.xml")
+    p.add_argument("--factor", type=float, default=2.0, help="an error metric that grew by more is a regression")
+    p.add_argument("--dashboard", type=Path, help="then build the dashboard into this directory")
+    p.set_defaults(fn=cmd_nightly)
+    p = sub.add_parser("dashboard", help="build the static HTML dashboard of the history")
+    p.add_argument("--report-dir", default="reports", type=Path)
+    p.add_argument("--history-dir", type=Path, help="default: <report-dir>/history")
+    p.add_argument("--out", type=Path, help="default: <report-dir>/dashboard")
+    p.add_argument("--factor", type=float, default=2.0, help="regression factor for error metrics")
+    p.set_defaults(fn=cmd_dashboard)
     p = sub.add_parser("cache", help="show the cache's size, or clear it")
     p.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
     p.set_defaults(fn=cmd_cache)

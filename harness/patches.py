@@ -24,17 +24,25 @@ class Patch:
     preserves_semantics: bool
     apply: Callable[[nn.Module], None]
     why: str
+    affects: tuple[str, ...] | None = None  # the steps whose function it can change (None: any)
 
 
 PATCHES: dict[str, Patch] = {}
+LSTM_STEPS = ("duration_encoder", "duration", "f0n", "text_encoder")
+VOCODER_STEPS = ("decoder", "generator")
 
 
-def patch(name: str, preserves_semantics: bool, why: str):
+def patch(name: str, preserves_semantics: bool, why: str, affects: tuple[str, ...] | None = None):
     def register(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
-        PATCHES[name] = Patch(name, preserves_semantics, fn, why)
+        PATCHES[name] = Patch(name, preserves_semantics, fn, why, affects)
         return fn
 
     return register
+
+
+def affecting(names, step: str) -> tuple[str, ...]:
+    """The patches among `names` that can change `step` (the others leave its reference as is)."""
+    return tuple(n for n in names if PATCHES[n].affects is None or step in PATCHES[n].affects)
 
 
 def apply_patches(kmodel: nn.Module, names: tuple[str, ...] | list[str]) -> nn.Module:
@@ -121,7 +129,8 @@ def _nsf_source_forward(self, x):
     return sine_merge, noise, uv
 
 
-@patch("noise_as_input", True, "runtimes have no torch RNG; reference and backend must share the noise")
+@patch("noise_as_input", True, "runtimes have no torch RNG; reference and backend must share the noise",
+       affects=VOCODER_STEPS)
 def _noise_as_input(model: nn.Module) -> None:
     src = model.decoder.generator.m_source
     src.forward = types.MethodType(_nsf_source_forward, src)
@@ -197,8 +206,9 @@ def _duration_encoder_forward(self, x, style, text_lengths, m):
 
 
 def set_lstm_strategy(model: nn.Module, run_lstm: Callable) -> None:
-    """Route the packed LSTMs of TextEncoder and DurationEncoder (and the duration LSTM, which
-    kokoro runs unpacked, see steps.DurationStep) through `run_lstm(lstm, x, lengths)`."""
+    """Route the packed LSTMs of TextEncoder and DurationEncoder, and the two LSTMs kokoro runs
+    unpacked on exact lengths (predictor.lstm, predictor.shared; see steps.DurationStep and
+    steps.F0NStep), through `run_lstm(lstm, x, lengths)`."""
     for module, forward in ((model.text_encoder, _text_encoder_forward),
                             (model.predictor.text_encoder, _duration_encoder_forward)):
         module._parity_run_lstm = run_lstm
@@ -206,16 +216,35 @@ def set_lstm_strategy(model: nn.Module, run_lstm: Callable) -> None:
     model._parity_run_lstm = run_lstm
 
 
+def run_length_aware(lstm: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Packed semantics with static shapes: `lstm` is a LengthAwareLSTM swapped in by the patch."""
+    return lstm(x, lengths)
+
+
 @patch("no_packing", False, "torch.export cannot trace PackedSequence; a static export runs the "
-       "LSTMs over the padding (its drift is the rewrite drift of the static reference)")
+       "LSTMs over the padding (its drift is the rewrite drift of the static reference)", affects=LSTM_STEPS)
 def _no_packing(model: nn.Module) -> None:
     set_lstm_strategy(model, run_padded)
+
+
+@patch("length_aware_lstm", True, "a static export that keeps packed semantics: each LSTM takes the "
+       "sequence lengths, the reverse direction starts at each sequence's last valid step", affects=LSTM_STEPS)
+def _length_aware_lstm(model: nn.Module) -> None:
+    from .length_aware_lstm import LengthAwareLSTM
+
+    # Swap the modules themselves (same Parameter objects, same state-dict keys), so that export
+    # sees the weights as the model's parameters.
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.LSTM:
+                setattr(parent, name, LengthAwareLSTM(child))
+    set_lstm_strategy(model, run_length_aware)
 
 
 # ---- STFT ---------------------------------------------------------------------------------
 
 @patch("custom_stft", False, "torch.stft/istft are complex and outside the Core ATen set; kokoro's "
-       "CustomSTFT does them with convolutions (replicate padding instead of reflect)")
+       "CustomSTFT does them with convolutions (replicate padding instead of reflect)", affects=VOCODER_STEPS)
 def _custom_stft(model: nn.Module) -> None:
     from kokoro.custom_stft import CustomSTFT
 
@@ -231,3 +260,6 @@ def to_float64(model: nn.Module) -> nn.Module:
         if isinstance(getattr(m, "window", None), torch.Tensor):
             m.window = m.window.double()
     return model
+
+
+from . import backend_patches  # noqa: E402,F401 - registers the backends' frontend-gap patches after these

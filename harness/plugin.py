@@ -26,6 +26,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--update-golden", action="store_true", help="regenerate golden/ from the current references")
     g.addoption("--report-dir", default="reports", help="where JSON records and run files go")
     g.addoption("--profile", default=None, help="tolerance profile YAML (default: harness/tolerances.yaml)")
+    g.addoption("--with-patch", action="append", default=[], dest="with_patch",
+                help="add a patch to every backend's own (repeatable), e.g. length_aware_lstm")
 
 
 def _session(config: pytest.Config):
@@ -36,7 +38,8 @@ def _session(config: pytest.Config):
 
         s = Session(weights=config.getoption("--weights"), case_ids=config.getoption("--case"),
                     report_dir=Path(config.getoption("--report-dir")),
-                    profile=Profile.load(config.getoption("--profile")))
+                    profile=Profile.load(config.getoption("--profile")),
+                    extra_patches=tuple(config.getoption("with_patch")))
         config._parity_session = s
         config._parity_records = []
     return s

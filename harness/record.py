@@ -27,6 +27,8 @@ class Record:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # per output, vs float64
     rewrite_drift: dict[str, dict[str, float]] = field(default_factory=dict)  # static vs dynamic fp32
     patch_drift: dict[str, dict[str, float]] = field(default_factory=dict)  # patched vs unpatched fp32
+    audio_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # PESQ, MCD, ... per audio output
+    durations: dict[str, int] = field(default_factory=dict)  # e2e: backend vs reference durations
     patches: list[str] = field(default_factory=list)
     semantic_patches: list[str] = field(default_factory=list)  # applied patches that change semantics
     audit: dict[str, Any] = field(default_factory=dict)
@@ -37,6 +39,8 @@ class Record:
     model: dict[str, str] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     log: str = ""  # tail of the child's log on errors
+    bisect: dict[str, Any] = field(default_factory=dict)  # harness.bisect: first diverging module/op, repro
+    audio: dict[str, str] = field(default_factory=dict)  # role -> WAV path relative to the report dir
     schema: str = SCHEMA
 
     @property

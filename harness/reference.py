@@ -26,7 +26,18 @@ MODES = ("dynamic", "static")
 DTYPES = ("float32", "float64")
 REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
                      "static": ("noise_as_input", "dropout_identity", "no_packing")}
-TRACE_VERSION = 1  # bump when the way traces are computed changes: it invalidates cached traces
+TRACE_VERSION = 3
+SYNTH_BUCKETS = (120, 200, 400, 1200, 1600)  # synthesizer frame buckets: 3, 5, 10, 30 and 40 s of audio
+
+
+def noise_frames(case: Case) -> int:
+    """The vocoder noise is drawn once per case, long enough for its bucket and every synthesizer
+    bucket: all of them take prefixes of the same numbers, so valid regions share their noise."""
+    return max(case.bucket.frames, *SYNTH_BUCKETS)
+# Patches that leave a mode's reference as it is (exactly, or within fp32 noise): a backend whose
+# program has them is judged against the plain reference. no_packing is exact on exact lengths at
+# batch 1, and already part of the static reference.
+NEUTRAL_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing")  # bump when the way traces are computed changes: it invalidates cached traces
 
 
 @dataclass
@@ -70,8 +81,12 @@ def as_outputs(step: Step, result) -> dict[str, torch.Tensor]:
     return {t.name: v.detach() for t, v in zip(step.outputs, values)}
 
 
-def run_chain(model: LoadedModel, case: Case) -> tuple[dict[str, torch.Tensor], Lengths, list[int]]:
-    """Kokoro's forward_with_tokens, step by step, keeping every named value."""
+DURATION_STAGE = ("bert", "bert_encoder", "duration_encoder", "duration")
+
+
+def run_chain(model: LoadedModel, case: Case, synthesize: bool = True) -> tuple[dict[str, torch.Tensor], Lengths, list[int]]:
+    """Kokoro's forward_with_tokens, step by step, keeping every named value (up to the durations
+    only when `synthesize` is false: unit tests of the token steps need no vocoder)."""
     km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
     ids = case.token_ids(model.vocab)
     n = len(ids)
@@ -89,20 +104,25 @@ def run_chain(model: LoadedModel, case: Case) -> tuple[dict[str, torch.Tensor], 
         v.update(as_outputs(step, step.module(km)(*(v[i] for i in step.input_names))))
 
     with torch.no_grad():
-        for name in ("bert", "bert_encoder", "duration_encoder", "duration"):
+        for name in DURATION_STAGE:
             call(name)
         pred_dur, aln, n_frames = build_alignment(v["duration"], n)
+        if not synthesize:
+            return v, Lengths(n, n_frames), pred_dur.tolist()
         if n_frames > case.bucket.frames:
             raise CaseError(f"case {case.id!r}: {n_frames} predicted frames exceed field 'bucket.frames' "
                             f"= {case.bucket.frames}")
+        v["aln"] = aln
         v["en"] = v["d"].transpose(-1, -2) @ aln
+        v["frame_lengths"] = torch.tensor([n_frames], dtype=torch.long)
         call("f0n")
         call("text_encoder")
         v["asr"] = v["t_en"] @ aln
-        bucket_noise = sample_noise(case.seed, case.bucket.frames * SAMPLES_PER_FRAME)
+        bucket_noise = sample_noise(case.seed, noise_frames(case) * SAMPLES_PER_FRAME)
         for k, t in bucket_noise.items():
             v[k] = t if k == "rand_ini" else t[:, : n_frames * SAMPLES_PER_FRAME].contiguous()
-            v[f"bucket_{k}"] = t
+            v[f"bucket_{k}"] = t if k == "rand_ini" else t[:, : case.bucket.frames * SAMPLES_PER_FRAME].contiguous()
+            v[f"case_{k}"] = t  # every synthesizer bucket takes its prefix (harness.e2e)
         captured = {}
         hook = km.decoder.generator.register_forward_pre_hook(lambda m, args: captured.update(gen_x=args[0]))
         call("decoder")
@@ -138,7 +158,7 @@ def cast(inputs: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]
 
 
 def compute_traces(model: LoadedModel, case: Case, steps: tuple[str, ...] | None = None) -> CaseTraces:
-    chain, valid, pred_dur = run_chain(model, case)
+    chain, valid, pred_dur = run_chain(model, case, synthesize=not steps or not set(steps) <= set(DURATION_STAGE))
     traces = CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
     for mode in MODES:
         km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
@@ -211,3 +231,64 @@ def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
 
     entry, _ = cache.get_or_build("variants", key, build)
     return torch.load(entry / "outputs.pt", weights_only=True)
+
+
+def dynamic_counterpart(model: LoadedModel, case: Case, traces: CaseTraces, step: str,
+                       variant: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """What a static output is compared with for its rewrite drift: Kokoro's dynamic reference,
+    carrying only the semantics-changing patches of `variant` (a preserving patch such as
+    length_aware_lstm must be measured against the real packed Kokoro, not against itself)."""
+    from .patches import PATCHES
+
+    changing = tuple(p for p in variant if not PATCHES[p].preserves_semantics)
+    if not changing:
+        return traces.outputs(step, "dynamic", "float32")
+    return variant_outputs(model, case, traces, step, "dynamic", changing)["float32"]
+
+
+def rewrite_drift(model: LoadedModel, case: Case, traces: CaseTraces, variant: tuple[str, ...] = ()) -> list[dict]:
+    """Per step output: the static reference (with `variant` patches) against the dynamic one on
+    the valid region, beside the static fp32 noise floor. No backend involved."""
+    from .metrics.tensor import error_metrics
+
+    from .patches import affecting
+
+    rows = []
+    for step in STEPS:
+        if affecting(variant, step.name):
+            v_step = affecting(variant, step.name)
+            static = variant_outputs(model, case, traces, step.name, "static", v_step)
+            dynamic32 = dynamic_counterpart(model, case, traces, step.name, v_step)
+            s32, s64 = static["float32"], static["float64"]
+        else:
+            s32, s64 = traces.outputs(step.name, "static", "float32"), traces.outputs(step.name, "static", "float64")
+            dynamic32 = traces.outputs(step.name, "dynamic", "float32")
+        for name in step.output_names:
+            v = lambda t: traces.valid_region(step.name, name, t)  # noqa: E731
+            drift = error_metrics(v(s32[name]), dynamic32[name])["rel_l2"]
+            floor = error_metrics(v(s32[name]), v(s64[name]))["rel_l2"]
+            rows.append({"case": case.id, "step": step.name, "output": name, "lstm": step.lstm,
+                         "patches": "+".join(variant) or "-", "drift_rel_l2": drift, "floor_rel_l2": floor,
+                         "drift_over_floor": drift / floor if floor else float("inf")})
+    return rows
+
+
+def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, variant: tuple[str, ...] = ()):
+    """The e2e reference audio: the synthesizer in eager PyTorch on the exact lengths and the
+    reference alignment, in fp32 and fp64, with the backend's semantics-changing patches."""
+    key = content_key("synthesizer", TRACE_VERSION, model.digest, case.digest, torch.__version__, variant)
+    step = get_step("synthesizer")
+    chain = traces.chain
+
+    def build(tmp):
+        km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
+        km64 = to_float64(copy.deepcopy(km32))
+        inputs = {k: chain[k] for k in step.input_names}
+        out = {}
+        for dtype, km in (("float32", km32), ("float64", km64)):
+            with torch.no_grad():
+                out[dtype] = step.module(km)(*cast(inputs, dtype).values())
+        atomic_write(tmp / "audio.pt", lambda f: torch.save(out, f))
+
+    entry, _ = cache.get_or_build("synthesizer", key, build)
+    return torch.load(entry / "audio.pt", weights_only=True)

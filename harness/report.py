@@ -28,6 +28,12 @@ def item_table(rec: Record) -> str:
     if rec.metrics:
         rows = [[name, *(_fmt(m.get(k)) for k in KEY_METRICS)] for name, m in rec.metrics.items()]
         lines.append(tabulate(rows, headers=["output", *KEY_METRICS], tablefmt="simple"))
+    if rec.audio_metrics:
+        keys = ("pesq", "mcd_db", "logmel_corr", "logmel_mad_db", "rms_ratio_db", "mrstft", "snr_db", "length_ratio")
+        rows = [[name, *(_fmt(a.get(k)) for k in keys)] for name, a in rec.audio_metrics.items()]
+        lines.append(tabulate(rows, headers=["audio", *keys], tablefmt="simple"))
+    if rec.durations:
+        lines.append("durations: " + ", ".join(f"{k} {v}" for k, v in rec.durations.items()))
     if rec.rewrite_drift:
         rows = [[name, _fmt(d["rel_l2"]), _fmt(d["max_abs"])] for name, d in rec.rewrite_drift.items()]
         lines.append("rewrite drift (static fp32 vs dynamic fp32, valid region):")
@@ -45,6 +51,10 @@ def item_table(rec: Record) -> str:
         lines.append("ops outside Core ATen: " + ", ".join(f"{k} x{v}" for k, v in rec.audit["non_core_aten_ops"].items()))
     if rec.log and not rec.verdict.ok and rec.verdict.value != "fail":
         lines.append("log (tail):\n" + "\n".join(rec.log.splitlines()[-12:]))
+    if rec.bisect:
+        from .bisect import format_bisect
+
+        lines.append(format_bisect(rec.bisect))
     return "\n".join(lines)
 
 
@@ -58,6 +68,9 @@ def summary_table(records: list[Record]) -> str:
         cell = r.verdict.value.upper()
         if worst is not None and r.verdict.value in ("pass", "fail"):
             cell += f" rel {_fmt(worst.get('rel_l2'))} ({_fmt(worst.get('floor_ratio'))}x floor)"
+        audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
+        if audio is not None and r.verdict.value in ("pass", "fail"):
+            cell += f" PESQ {_fmt(audio.get('pesq'))}"
         drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
         rows.setdefault(key, {})[r.backend] = cell
         if drift is not None:

@@ -50,6 +50,7 @@ class Session:
     report_dir: Path = Path("reports")
     profile: Profile = field(default_factory=Profile.load)
     limits: Limits = field(default_factory=Limits)
+    extra_patches: tuple[str, ...] = ()  # added to every backend's own (e.g. length_aware_lstm)
     counts: Counter = field(default_factory=Counter)
     _model: object = None
     _traces: dict = field(default_factory=dict)
@@ -78,9 +79,9 @@ class Session:
         return self._traces[case_id]
 
     def items(self, backends: list[str], steps: list[str] | None = None, modes=MODES) -> list[Item]:
-        from .steps import STEP_NAMES
+        from .steps import ITEM_STEPS
 
-        return [Item(c, s, b, m) for c in self.cases for s in (steps or STEP_NAMES) for b in backends for m in modes]
+        return [Item(c, s, b, m) for c in self.cases for s in (steps or ITEM_STEPS) for b in backends for m in modes]
 
     # -- one item -------------------------------------------------------------------------
     def run(self, item: Item) -> Record:
@@ -90,14 +91,10 @@ class Session:
         return record
 
     def _run(self, item: Item) -> Record:
-        import torch
-
         from .patches import PATCHES, canonical
-        from .steps import get_step
 
         backend = get_backend(item.backend)
-        step = get_step(item.step)
-        patches = list(canonical(backend.patches))
+        patches = list(canonical((*backend.patches, *self.extra_patches)))
         rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=patches,
                      semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
                      model={"name": self.model.name, "digest": self.model.digest, "source": self.model.source},
@@ -107,54 +104,91 @@ class Session:
             rec.reason = why
             return rec
 
-        traces = self.traces(item.case)
-        inputs = traces.inputs(item.step, item.mode, "float32")
-        shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
+        if item.step == "e2e":
+            from .e2e import run_e2e
 
+            return run_e2e(self, backend, item, patches, rec)
+        traces = self.traces(item.case)
+        outputs = self.execute(backend, item.step, traces.inputs(item.step, item.mode, "float32"), patches, rec, item.id)
+        return rec if outputs is None else self._judge(rec, item, traces, outputs)
+
+    def execute(self, backend: Backend, step: str, inputs: dict, patches: list[str], rec: Record,
+                run_name: str, tag: str = "") -> list | None:
+        """Export (cached), compile (cached) and run `step` on `inputs`. Fills the record's timings,
+        cache and audit (keys prefixed with `tag`); on failure sets its verdict and returns None."""
+        import torch
+
+        shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
         # export (once per step, shapes and patches; shared by every backend)
-        program_key = content_key("program", PROGRAM_VERSION, item.step, shapes, patches, self.model.digest,
+        program_key = content_key("program", PROGRAM_VERSION, step, shapes, patches, self.model.digest,
                                   torch.__version__)
         program_dir, result = self._cached_job(
             "programs", program_key, "exports", "harness.programs:export_step", self.limits.export_s,
-            lambda tmp: dict(weights=self.weights, expected_digest=self.model.digest, step=item.step,
+            lambda tmp: dict(weights=self.weights, expected_digest=self.model.digest, step=step,
                              patches=patches, inputs_path=str(_save_inputs(tmp, inputs)),
                              out_path=str(tmp / "program.pt2")))
-        rec.cache["program"] = "hit" if result is None else "miss"
+        rec.cache[f"{tag}program"] = "hit" if result is None else "miss"
         if result is not None:
-            rec.timings["export_s"] = result.seconds
-            rec.peak_rss_mb["export"] = result.peak_rss_mb
+            rec.timings[f"{tag}export_s"] = result.seconds
+            rec.peak_rss_mb[f"{tag}export"] = result.peak_rss_mb
             if not result.ok:
-                return _failed(rec, result, Verdict.EXPORT_ERROR)
+                _failed(rec, result, Verdict.EXPORT_ERROR)
+                return None
 
         # compile (once per program and backend version)
         artifact_key = content_key("artifact", program_key, backend.name, backend.version())
         artifact_dir, result = self._cached_job(
             "artifacts", artifact_key, "compiles", "harness.backends:compile_job", self.limits.compile_s,
             lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp)))
-        rec.cache["artifact"] = "hit" if result is None else "miss"
+        rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
         if result is not None:
-            rec.timings["compile_s"] = result.seconds
-            rec.peak_rss_mb["compile"] = result.peak_rss_mb
+            rec.timings[f"{tag}compile_s"] = result.seconds
+            rec.peak_rss_mb[f"{tag}compile"] = result.peak_rss_mb
             if not result.ok:
-                return _failed(rec, result, Verdict.COMPILE_ERROR)
+                rec.audit.update((result.value or {}).get("audit", {}))  # the op audit made before compiling
+                _failed(rec, result, Verdict.COMPILE_ERROR)
+                return None
         meta = json.loads((artifact_dir / "result.json").read_text())["value"]
-        rec.audit, rec.artifact_bytes = meta["audit"], meta["artifact_bytes"]
+        rec.audit.update(meta["audit"])
+        rec.artifact_bytes = (rec.artifact_bytes or 0) + meta["artifact_bytes"]
+        ok, why = backend.runnable()
+        if not ok:  # compiled (its outcome and audit recorded), cannot run on this machine
+            rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; {why}"
+            return None
 
         # run (always)
-        run_dir = self.report_dir / "runs" / item.id
+        run_dir = self.report_dir / "runs" / run_name
         _save_inputs(run_dir, inputs)
         result = run_job("harness.backends:run_job",
                          dict(backend=backend.name, artifact_path=str(artifact_dir / backend.artifact_name),
                               inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
                          run_dir, self.limits.run_s)
         self.counts["runs"] += 1
-        rec.timings["run_s"] = result.value["run_s"] if result.ok else result.seconds
-        rec.timings["run_job_s"] = result.seconds
-        rec.peak_rss_mb["run"] = result.peak_rss_mb
+        rec.timings[f"{tag}run_s"] = result.value["run_s"] if result.ok else result.seconds
+        rec.timings[f"{tag}run_job_s"] = result.seconds
+        rec.peak_rss_mb[f"{tag}run"] = result.peak_rss_mb
         if not result.ok:
-            return _failed(rec, result, Verdict.RUN_ERROR)
-        outputs = torch.load(run_dir / "outputs.pt", weights_only=True)
-        return self._judge(rec, item, traces, outputs)
+            _failed(rec, result, Verdict.RUN_ERROR)
+            return None
+        rec.audit.update(result.value.get("audit") or {})
+        return torch.load(run_dir / "outputs.pt", weights_only=True)
+
+    def references(self, item: Item, patches: list[str]) -> tuple[dict, dict, dict, tuple[str, ...]]:
+        """(fp32, fp64, unpatched fp32) outputs of the item's effective reference, and its variant.
+
+        A backend is judged against the reference with the same patches its program has; patches
+        that are neutral for a mode's reference are left out (see NEUTRAL_PATCHES)."""
+        from .patches import affecting
+        from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, variant_outputs
+
+        traces = self.traces(item.case)
+        base32 = traces.outputs(item.step, item.mode, "float32")
+        variant = affecting([p for p in patches if p not in REFERENCE_PATCHES[item.mode] and p not in NEUTRAL_PATCHES],
+                            item.step)
+        if not variant:
+            return base32, traces.outputs(item.step, item.mode, "float64"), base32, variant
+        ref = variant_outputs(self.model, self.cases[item.case], traces, item.step, item.mode, variant)
+        return ref["float32"], ref["float64"], base32, variant
 
     def _judge(self, rec: Record, item: Item, traces, outputs) -> Record:
         from .steps import get_step
@@ -163,15 +197,11 @@ class Session:
         if len(outputs) != len(names):
             rec.verdict, rec.reason = Verdict.RUN_ERROR, f"{len(outputs)} outputs, expected {len(names)} ({names})"
             return rec
-        from .reference import REFERENCE_PATCHES, variant_outputs
+        fp32, fp64, base32, variant = self.references(item, rec.patches)
+        if item.mode == "static":
+            from .reference import dynamic_counterpart
 
-        fp32 = traces.outputs(item.step, item.mode, "float32")
-        fp64 = traces.outputs(item.step, item.mode, "float64")
-        base32 = fp32
-        variant = tuple(p for p in rec.semantic_patches if p not in REFERENCE_PATCHES[item.mode])
-        if variant:
-            ref = variant_outputs(self.model, self.cases[item.case], traces, item.step, item.mode, variant)
-            fp32, fp64 = ref["float32"], ref["float64"]
+            dynamic32 = dynamic_counterpart(self.model, self.cases[item.case], traces, item.step, variant)
         for name, out in zip(names, outputs):
             ref = fp64[name]
             if tuple(out.shape) != tuple(ref.shape):
@@ -183,11 +213,41 @@ class Session:
                 drift = error_metrics(v(fp32[name]), v(base32[name]))
                 rec.patch_drift[name] = {k: drift[k] for k in ("rel_l2", "max_abs", "snr_db")}
             if item.mode == "static":
-                dyn = traces.outputs(item.step, "dynamic", "float32")[name]
-                drift = error_metrics(v(fp32[name]), dyn)
+                drift = error_metrics(v(fp32[name]), dynamic32[name])
                 rec.rewrite_drift[name] = {k: drift[k] for k in ("rel_l2", "max_abs", "snr_db")}
-        rec.verdict, rec.reason = judge(rec.metrics, self.profile.for_(item.step, item.backend, item.mode))
+                rec.rewrite_drift[name]["floor_rel_l2"] = rec.metrics[name]["floor_rel_l2"]
+        self._write_audio(rec, item, traces, dict(zip(names, outputs)), fp64)
+        rec.audio_metrics = self._audio_metrics(item, traces, dict(zip(names, outputs)), fp64)
+        rec.verdict, rec.reason = judge(rec.metrics, self.profile.for_(item.step, item.backend, item.mode),
+                                        rec.audio_metrics)
         return rec
+
+    def _audio_metrics(self, item: Item, traces, outputs: dict, reference: dict) -> dict:
+        """PESQ, MCD and friends for outputs along `samples` (valid region, against float64)."""
+        from .metrics.audio import audio_metrics
+        from .steps import get_step
+
+        out = {}
+        for t in get_step(item.step).outputs:
+            if "samples" in t.axes.values():
+                v = lambda x: traces.valid_region(item.step, t.name, x)[0].double().numpy()  # noqa: E731
+                out[t.name] = audio_metrics(v(reference[t.name]), v(outputs[t.name]))
+        return out
+
+    # -- listenable audio for the dashboard (issue 6) ---------------------------------------
+    def _write_audio(self, rec: Record, item: Item, traces, outputs: dict, reference: dict) -> None:
+        """Reference and backend WAVs (valid region) of outputs along `samples`, so that a person can
+        hear a difference that the metrics summarize: <report_dir>/audio/<item_id>/{reference,backend}.wav."""
+        from .metrics.audio import write_wav
+        from .steps import get_step
+
+        names = [t.name for t in get_step(item.step).outputs if "samples" in t.axes.values()]
+        for name in names:
+            prefix = "" if len(names) == 1 else f"{name}-"
+            for role, tensor in (("reference", reference[name]), ("backend", outputs[name])):
+                rel = Path("audio") / item.id / f"{prefix}{role}.wav"
+                write_wav(self.report_dir / rel, traces.valid_region(item.step, name, tensor).detach().cpu().numpy())
+                rec.audio[prefix + role] = rel.as_posix()
 
     def _cached_job(self, kind, key, counter, function, timeout, make_kwargs) -> tuple[Path, JobResult | None]:
         """Run a job whose output directory is a cache entry. Returns (entry, None) on a hit."""

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .patches import NOISE_INPUTS, provide_noise, run_packed
+from .patches import NOISE_INPUTS, provide_noise, run_padded
 
 # Unit -> how many of it per token / alignment frame. `samples` = 600 per frame (24 kHz).
 FRAME_UNITS = {"frames": 1, "frames2": 2, "samples": 600}
@@ -72,19 +72,30 @@ class DurationEncoderStep(_StepModule):
 
 
 class DurationStep(_StepModule):
-    """predictor.lstm + duration_proj. Kokoro runs this LSTM unpacked on the exact length, which
-    at batch 1 equals packed; patched models route it through their LSTM strategy."""
+    """predictor.lstm + duration_proj. Kokoro runs this LSTM unpacked on the exact length (at
+    batch 1 the same as packed); patched models route it through their LSTM strategy."""
 
     def forward(self, d, input_lengths, speed):
-        run = getattr(self.kmodel, "_parity_run_lstm", run_packed)
+        run = getattr(self.kmodel, "_parity_run_lstm", run_padded)  # kokoro's own call
         x = run(self.kmodel.predictor.lstm, d, input_lengths)
         duration = self.kmodel.predictor.duration_proj(x)
         return torch.sigmoid(duration).sum(axis=-1) / speed
 
 
 class F0NStep(_StepModule):
-    def forward(self, en, s_pred):
-        return self.kmodel.predictor.F0Ntrain(en, s_pred)
+    """predictor.F0Ntrain, with its `shared` LSTM routed like DurationStep's: kokoro runs it
+    unpacked on the exact frames; on a frame bucket only a length-aware LSTM keeps that."""
+
+    def forward(self, en, s_pred, frame_lengths):
+        p = self.kmodel.predictor
+        run = getattr(self.kmodel, "_parity_run_lstm", run_padded)  # kokoro's own call
+        x = run(p.shared, en.transpose(-1, -2), frame_lengths).transpose(-1, -2)
+        F0, N = x, x
+        for block in p.F0:
+            F0 = block(F0, s_pred)
+        for block in p.N:
+            N = block(N, s_pred)
+        return p.F0_proj(F0).squeeze(1), p.N_proj(N).squeeze(1)
 
 
 class TextEncoderStep(_StepModule):
@@ -104,6 +115,34 @@ class GeneratorStep(_StepModule):
             return self.kmodel.decoder.generator(x, s_dec, F0_pred).squeeze(1)
 
 
+class DurationStageStep(_StepModule):
+    """The first half of a two-stage port: tokens to durations (and `d`, which the second needs)."""
+
+    def __init__(self, kmodel):
+        super().__init__(kmodel)
+        self.bert, self.bert_encoder = BertStep(kmodel), BertEncoderStep(kmodel)
+        self.duration_encoder, self.duration = DurationEncoderStep(kmodel), DurationStep(kmodel)
+
+    def forward(self, input_ids, attention_mask, s_pred, input_lengths, text_mask, speed):
+        d = self.duration_encoder(self.bert_encoder(self.bert(input_ids, attention_mask)), s_pred, input_lengths,
+                                  text_mask)
+        return self.duration(d, input_lengths, speed), d
+
+
+class SynthesizerStep(_StepModule):
+    """The second half, compiled per frame bucket: the alignment is built on the host."""
+
+    def __init__(self, kmodel):
+        super().__init__(kmodel)
+        self.f0n, self.text_encoder, self.decoder = F0NStep(kmodel), TextEncoderStep(kmodel), DecoderStep(kmodel)
+
+    def forward(self, d, aln, input_ids, input_lengths, text_mask, s_pred, s_dec, frame_lengths,
+                rand_ini, sine_noise, source_noise):
+        F0, N = self.f0n(d.transpose(-1, -2) @ aln, s_pred, frame_lengths)
+        asr = self.text_encoder(input_ids, input_lengths, text_mask) @ aln
+        return self.decoder(asr, F0, N, s_dec, rand_ini, sine_noise, source_noise)
+
+
 T = Tensor
 _TOK = {1: "tokens"}
 _NOISE = (T("rand_ini"), T("sine_noise", {1: "samples"}), T("source_noise", {1: "samples"}))
@@ -118,7 +157,7 @@ STEPS: tuple[Step, ...] = (
          (T("d", _TOK),), "duration", lstm=True, module_path="predictor.text_encoder"),
     Step("duration", DurationStep, (T("d", _TOK), T("input_lengths"), T("speed")), (T("duration", _TOK),),
          "duration", lstm=True, module_path="predictor.lstm+duration_proj"),
-    Step("f0n", F0NStep, (T("en", {2: "frames"}), T("s_pred")),
+    Step("f0n", F0NStep, (T("en", {2: "frames"}), T("s_pred"), T("frame_lengths")),
          (T("F0_pred", {1: "frames2"}), T("N_pred", {1: "frames2"})),
          "synthesizer", lstm=True, module_path="predictor.F0Ntrain"),
     Step("text_encoder", TextEncoderStep,
@@ -131,13 +170,25 @@ STEPS: tuple[Step, ...] = (
          (T("gen_x", {2: "frames2"}), T("s_dec"), T("F0_pred", {1: "frames2"}), *_NOISE),
          (T("gen_audio", {1: "samples"}),), "synthesizer", module_path="decoder.generator"),
 )
+# The two programs of the `e2e` item (harness.e2e), as ports run Kokoro: not items of their own.
+STAGES: tuple[Step, ...] = (
+    Step("duration_stage", DurationStageStep,
+         (T("input_ids", _TOK), T("attention_mask", _TOK), T("s_pred"), T("input_lengths"),
+          T("text_mask", _TOK, pad_value=1), T("speed")),
+         (T("duration", _TOK), T("d", _TOK)), "duration", lstm=True, module_path="bert..predictor.duration_proj"),
+    Step("synthesizer", SynthesizerStep,
+         (T("d", _TOK), T("aln", {1: "tokens", 2: "frames"}), T("input_ids", _TOK), T("input_lengths"),
+          T("text_mask", _TOK, pad_value=1), T("s_pred"), T("s_dec"), T("frame_lengths"), *_NOISE),
+         (T("audio", {1: "samples"}),), "synthesizer", lstm=True, module_path="predictor.F0Ntrain+text_encoder+decoder"),
+)
 STEP_NAMES = tuple(s.name for s in STEPS)
-EXPORTED_STEPS = STEP_NAMES  # `alignment` (host) and `e2e` (a composition) are not single programs
+ITEM_STEPS = (*STEP_NAMES, "e2e")  # what the matrix runs
+# The pipeline in order, for reports: `alignment` is host code, `e2e` the two-stage composition.
 PIPELINE_STEP_NAMES = (*STEP_NAMES[:4], "alignment", *STEP_NAMES[4:], "e2e")
 
 
 def get_step(name: str) -> Step:
-    for s in STEPS:
+    for s in (*STEPS, *STAGES):
         if s.name == name:
             return s
     raise KeyError(f"unknown step {name!r}; steps: {', '.join(STEP_NAMES)}")

@@ -38,6 +38,8 @@ class Tolerance:
     floor_multiplier: float = 4.0
     rel_l2: float = 1e-5
     min_cosine: float | None = None
+    min_pesq: float = 4.0  # audio outputs: the porting guides' quality bars
+    max_mcd_db: float = 0.5
 
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "tolerances.yaml"
@@ -97,13 +99,32 @@ def comparator(tol: Tolerance) -> Callable[[dict[str, Any]], tuple[bool, str]]:
     return check
 
 
-def judge(per_output: dict[str, dict[str, Any]], tol: Tolerance) -> tuple[Verdict, str]:
-    check = comparator(tol)
-    failures = []
-    for name, m in per_output.items():
-        ok, why = check(m)
-        if not ok:
-            failures.append(f"{name}: {why}")
+def audio_comparator(tol: Tolerance) -> Callable[[dict[str, Any]], tuple[bool, str]]:
+    """Build the perceptual check for one tolerance: audio metrics -> (ok, why). NaN fails."""
+
+    def check(a: dict[str, Any]) -> tuple[bool, str]:
+        pesq, mcd = a.get("pesq", math.nan), a.get("mcd_db", math.nan)
+        if a.get("nan_rate", 0) or a.get("inf_rate", 0):
+            return False, "non-finite audio"
+        if not pesq >= tol.min_pesq:  # also catches NaN
+            return False, f"PESQ {pesq:.2f} < {tol.min_pesq}"
+        if not mcd <= tol.max_mcd_db:
+            return False, f"MCD {mcd:.2f} dB > {tol.max_mcd_db} dB"
+        return True, f"PESQ {pesq:.2f} >= {tol.min_pesq}, MCD {mcd:.2f} dB <= {tol.max_mcd_db} dB"
+
+    return check
+
+
+def judge(per_output: dict[str, dict[str, Any]], tol: Tolerance, audio: dict[str, dict[str, Any]] | None = None,
+          audio_only: bool = False) -> tuple[Verdict, str]:
+    """Every output passes the accuracy rule (unless `audio_only`: e2e audio whose length and
+    alignment follow the backend's own durations) and every judged audio output the quality bars."""
+    checks = [] if audio_only else [(n, comparator(tol)(m)) for n, m in per_output.items()]
+    if audio_only:
+        checks += [(n, (False, "non-finite output")) for n, m in per_output.items()
+                   if m.get("new_nonfinite", 0) or m.get("nan_rate", 0) or m.get("inf_rate", 0)]
+    checks += [(f"{n} (audio)", audio_comparator(tol)(a)) for n, a in (audio or {}).items() if not n.endswith("_unforced")]
+    failures = [f"{n}: {why}" for n, (ok, why) in checks if not ok]
     if failures:
         return Verdict.FAIL, "; ".join(failures)
-    return Verdict.PASS, "; ".join(f"{n}: {check(m)[1]}" for n, m in per_output.items())
+    return Verdict.PASS, "; ".join(f"{n}: {why}" for n, (ok, why) in checks)

@@ -6,13 +6,16 @@ Heavy runtime packages are imported inside `compile`/`run`, in the child process
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
 ENTRY_POINT_GROUP = "kokoro_parity.backends"
+EXTRA_ENV = "KOKORO_PARITY_EXTRA_BACKENDS"  # "name=module:Class,...": backends outside the package
 
 
 class Backend:
@@ -39,18 +42,37 @@ class Backend:
                 versions.append(p)
         return ",".join(versions) or "builtin"
 
+    def runnable(self) -> tuple[bool, str]:
+        """Whether `run` can execute here; compiling may still work (Core ML converts on Linux and
+        predicts only on macOS). When not, the item is SKIPPED with the reason and its audit kept."""
+        return True, ""
+
+    def audit(self, program_path: Path) -> dict[str, Any]:
+        """What the backend will not take, before compiling (kept in the record if compile fails)."""
+        return {}
+
     def compile(self, program_path: Path, out_dir: Path) -> dict[str, Any]:
         """Turn the exported program into `out_dir / self.artifact_name`; return an audit dict."""
         raise NotImplementedError
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        """Run the artifact on a list of torch tensors; return a list of torch tensors."""
+        """Run the artifact on a list of torch tensors; return a list of torch tensors. May set
+        `self.run_audit` (e.g. activation ranges), which joins the record's audit."""
         raise NotImplementedError
+
+    run_audit: dict[str, Any] = {}
 
 
 _BUILTIN = {
     "eager": "harness.backends.eager:EagerBackend",
     "xnnpack": "harness.backends.executorch:XnnpackBackend",
+    "portable": "harness.backends.executorch:PortableBackend",
+    "tvm": "harness.backends.tvm:TvmBackend",
+    "onnxruntime": "harness.backends.onnx:OnnxRuntimeBackend",
+    "tvm-onnx": "harness.backends.onnx:TvmOnnxBackend",
+    "coreml-fp32": "harness.backends.coreml:CoreMLFp32Backend",
+    "coreml-fp16": "harness.backends.coreml:CoreMLFp16Backend",
+    "fp16": "harness.backends.fp16:Fp16Backend",
 }
 
 
@@ -62,6 +84,10 @@ def _load(ref: str) -> type[Backend]:
 def registry() -> dict[str, str]:
     """name -> "module:Class" for built-in and entry-point backends."""
     found = dict(_BUILTIN)
+    for spec in os.environ.get(EXTRA_ENV, "").split(","):  # tests register fault-injection backends
+        name, _, ref = spec.partition("=")
+        if ref:
+            found.setdefault(name.strip(), ref.strip())
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep.value)
     return found
@@ -84,8 +110,23 @@ def compile_job(backend: str, program_path: str, out_dir: str) -> dict[str, Any]
     """Compile one exported program; returns the backend's audit and the artifact size."""
     b = get_backend(backend)
     out = Path(out_dir)
-    audit = b.compile(Path(program_path), out) or {}
-    return {"audit": audit, "artifact_bytes": (out / b.artifact_name).stat().st_size}
+    try:
+        audit = dict(b.audit(Path(program_path)) or {})
+    except Exception as e:  # noqa: BLE001 - an audit that fails must not hide the compile outcome
+        from ..jobs import first_error_line
+
+        audit = {"audit_error": first_error_line(e)}
+    try:
+        audit.update(b.compile(Path(program_path), out) or {})
+    except Exception as e:
+        audit.update(getattr(b, "compile_audit", None) or {})  # what compile learned before failing
+        with contextlib.suppress(AttributeError, TypeError):
+            e.partial = {"audit": audit}  # harness.jobs keeps it as the failed job's value
+        raise
+    artifact = out / b.artifact_name
+    size = (sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) if artifact.is_dir()
+            else artifact.stat().st_size)
+    return {"audit": audit, "artifact_bytes": size}
 
 
 def run_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
@@ -99,4 +140,4 @@ def run_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: st
     outputs = b.run(Path(artifact_path), inputs)
     seconds = time.perf_counter() - start
     torch.save([torch.as_tensor(o).detach().clone() for o in outputs], outputs_path)
-    return {"run_s": seconds, "n_outputs": len(outputs)}
+    return {"run_s": seconds, "n_outputs": len(outputs), "audit": b.run_audit}

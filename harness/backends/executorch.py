@@ -33,14 +33,20 @@ class XnnpackBackend(Backend):
 
         return [XnnpackPartitioner()]
 
+    def audit(self, program_path: Path) -> dict:
+        import torch
+
+        program = torch.export.load(str(program_path))
+        return {"non_core_aten_ops": _core_aten_violations(program.run_decompositions())}
+
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         import torch
         from executorch.exir import to_edge_transform_and_lower
 
         program = torch.export.load(str(program_path))
-        audit = {"non_core_aten_ops": _core_aten_violations(program.run_decompositions())}
-        edge = to_edge_transform_and_lower(program, partitioner=self.partitioners())
-        audit.update(_delegation(edge))
+        partitioners = self.partitioners()
+        edge = to_edge_transform_and_lower(program, partitioner=partitioners)
+        audit = _delegation(edge) if partitioners else {"kernels": "portable"}
         et = edge.to_executorch()
         (out_dir / self.artifact_name).write_bytes(et.buffer)
         return audit
@@ -50,6 +56,17 @@ class XnnpackBackend(Backend):
 
         method = Runtime.get().load_program(str(artifact_path)).load_method("forward")
         return list(method.execute([t.contiguous() for t in inputs]))
+
+
+class PortableBackend(XnnpackBackend):
+    """No partitioner: every op on ExecuTorch's portable kernels. When xnnpack fails and portable
+    passes, the failure belongs to the delegate; when both fail, to ExecuTorch itself."""
+
+    name = "portable"
+    description = "ExecuTorch without a delegate (portable kernels)"
+
+    def partitioners(self) -> list:
+        return []
 
 
 def _delegation(edge) -> dict:

@@ -1,0 +1,97 @@
+"""`coreml-fp32`, `coreml-fp16`: coremltools mlprogram at FLOAT32 / FLOAT16 compute precision.
+
+Conversion (torch.export program -> MIL -> .mlpackage) runs on any OS and its outcome and op
+audit are recorded; prediction needs the Core ML framework, i.e. macOS, so elsewhere the item is
+SKIPPED after compiling (`runnable`), never passed.
+"""
+from __future__ import annotations
+
+import platform
+from collections import Counter
+from pathlib import Path
+
+from . import Backend
+from .tvm import COMMON_PATCHES
+
+
+def _inference_ir(program):
+    """coremltools takes the ATen inference IR: run_decompositions with an empty table."""
+    return program.run_decompositions({})
+
+
+def mil_gaps(program) -> dict:
+    """Ops of the program that coremltools' torch frontend has no MIL lowering for (its registry,
+    looked up the way its EXIR frontend names nodes)."""
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, sanitize_op_kind
+
+    ops: Counter = Counter()
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            kind = node.target.name()
+        except Exception:  # noqa: BLE001 - operator.getitem and friends have no name()
+            kind = getattr(node.target, "__name__", str(node.target))
+        ops[sanitize_op_kind(kind)] += 1
+    return {"ops_without_mil_lowering": {k: v for k, v in sorted(ops.items()) if k not in _TORCH_OPS_REGISTRY},
+            "n_ops": sum(ops.values())}
+
+
+class _CoreMLBackend(Backend):
+    requires = ("coremltools",)
+    patches = COMMON_PATCHES
+    artifact_name = "model.mlpackage"
+    precision = "FLOAT32"
+    compute_units = "CPU_ONLY"  # fp16 runs on ALL: Core ML's CPU computes fp16 models in fp32
+
+    def runnable(self) -> tuple[bool, str]:
+        if platform.system() != "Darwin":
+            return False, f"Core ML prediction needs macOS (this is {platform.system()}); conversion ran"
+        return True, ""
+
+    def audit(self, program_path: Path) -> dict:
+        import torch
+
+        return mil_gaps(_inference_ir(torch.export.load(str(program_path))))
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        import coremltools as ct
+        import torch
+
+        program = _inference_ir(torch.export.load(str(program_path)))
+        model = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
+                           compute_precision=getattr(ct.precision, self.precision),
+                           skip_model_load=platform.system() != "Darwin")
+        model.save(str(out_dir / self.artifact_name))
+        spec = model.get_spec()
+        ops = Counter(op.type for f in spec.mlProgram.functions.values()
+                      for block in f.block_specializations.values() for op in block.operations)
+        return {"compute_precision": self.precision, "mil_ops": dict(sorted(ops.items())),
+                "inputs": [i.name for i in spec.description.input],
+                "outputs": [o.name for o in spec.description.output]}
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        import coremltools as ct
+        import numpy as np
+        import torch
+
+        model = ct.models.MLModel(str(artifact_path), compute_units=getattr(ct.ComputeUnit, self.compute_units))
+        spec = model.get_spec()
+        names = [i.name for i in spec.description.input]
+        if len(names) != len(inputs):
+            raise ValueError(f"{len(inputs)} inputs given, the Core ML model has {len(names)} ({names})")
+        out = model.predict({n: t.detach().cpu().numpy() for n, t in zip(names, inputs)})
+        return [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]
+
+
+class CoreMLFp32Backend(_CoreMLBackend):
+    name = "coreml-fp32"
+    precision = "FLOAT32"
+    description = "coremltools mlprogram, FLOAT32 compute precision (predicts on macOS)"
+
+
+class CoreMLFp16Backend(_CoreMLBackend):
+    name = "coreml-fp16"
+    precision = "FLOAT16"
+    compute_units = "ALL"
+    description = "coremltools mlprogram, FLOAT16 compute precision (predicts on macOS)"

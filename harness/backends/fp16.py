@@ -1,0 +1,106 @@
+"""`fp16`: the exported program run by PyTorch in float16 on CPU.
+
+It predicts where Core ML's GPU / Neural Engine float16 will overflow or lose precision without a
+Mac: Kokoro's decoder has activations near +-50,000, close to float16's 65,504 limit. The run
+audit lists the largest activation per submodule (from a float32 pass of the same program and
+inputs) against that limit, and where float16 first turns non-finite.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from . import Backend
+from .tvm import COMMON_PATCHES
+
+FP16_MAX = 65504.0
+TOP = 15  # submodules listed in the audit, by largest activation
+
+
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "<top>"
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("kmodel.") or "<top>"
+
+
+def _to_dtype(graph_module, dtype):
+    """Cast parameters, buffers and tensor constants, and rewrite the float32 that the graph
+    hard-codes (arange(dtype=...), .type(torch.float32)) so that the whole program is `dtype`."""
+    import torch
+
+    graph_module = graph_module.to(dtype)
+    for name, value in list(vars(graph_module).items()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            setattr(graph_module, name, value.to(dtype))
+    for node in graph_module.graph.nodes:
+        wide = (torch.float32, torch.float64)
+        node.args = tuple(dtype if a in wide else a for a in node.args)
+        if node.kwargs.get("dtype") in wide:
+            node.kwargs = {**node.kwargs, "dtype": dtype}
+    graph_module.recompile()
+    return graph_module
+
+
+def activation_ranges(graph_module, inputs) -> tuple[list, dict]:
+    """Run `graph_module` node by node; returns (outputs, per submodule: largest finite |x| and
+    whether any value was non-finite, plus the first node that produced a non-finite value)."""
+    import torch
+    import torch.fx
+
+    stats: dict[str, dict] = {}
+    first_nonfinite: list[str] = []
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_function" and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+                x = out.detach()
+                finite = torch.isfinite(x)
+                peak = float(x.abs().where(finite, 0).max())
+                s = stats.setdefault(_module_path(n), {"max_abs": 0.0, "nonfinite": False})
+                s["max_abs"] = max(s["max_abs"], peak)
+                if not bool(finite.all()):
+                    s["nonfinite"] = True
+                    if not first_nonfinite:
+                        first_nonfinite.append(f"{n.name} ({n.target}) in {_module_path(n)}")
+            return out
+
+    with torch.no_grad():
+        out = Recorder(graph_module).run(*inputs)
+    return (list(out) if isinstance(out, (tuple, list)) else [out]), {
+        "modules": stats, "first_nonfinite": first_nonfinite[0] if first_nonfinite else None}
+
+
+class Fp16Backend(Backend):
+    name = "fp16"
+    requires = ("torch",)
+    patches = COMMON_PATCHES
+    artifact_name = "program.pt2"
+    description = "the exported program in float16 on CPU, with activation ranges vs 65,504"
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        shutil.copyfile(program_path, out_dir / self.artifact_name)
+        return {}
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        import torch
+
+        program = torch.export.load(str(artifact_path))
+        _, fp32 = activation_ranges(program.module(), inputs)
+        half = _to_dtype(program.module(), torch.float16)
+        outputs, fp16 = activation_ranges(half, [t.half() if t.is_floating_point() else t for t in inputs])
+        rows = []
+        for path, s in fp32["modules"].items():
+            h = fp16["modules"].get(path, {})
+            rows.append({"module": path, "max_abs_fp32": s["max_abs"], "of_fp16_max": s["max_abs"] / FP16_MAX,
+                         "fp16_nonfinite": bool(h.get("nonfinite", False))})
+        rows.sort(key=lambda r: (-r["fp16_nonfinite"], -r["max_abs_fp32"]))
+        peak = max((r["max_abs_fp32"] for r in rows), default=0.0)
+        self.run_audit = {"fp16_max": FP16_MAX, "largest_activation": peak,
+                          "largest_activation_of_fp16_max": peak / FP16_MAX,
+                          "modules_over_fp16_max": [r["module"] for r in rows if r["max_abs_fp32"] > FP16_MAX],
+                          "fp16_first_nonfinite": fp16["first_nonfinite"],
+                          "activations_by_module": rows[:TOP]}
+        return [o.float() for o in outputs]

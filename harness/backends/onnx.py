@@ -1,0 +1,149 @@
+"""`onnxruntime` and `tvm-onnx`: the exported program as ONNX.
+
+`torch.onnx.export` with the dynamo exporter straight from the saved ExportedProgram, falling
+back to the legacy TorchScript exporter; then onnxruntime on CPU, or the same ONNX file through
+TVM Relax's ONNX frontend (the route of existing Kokoro TVM ports). The audit lists the ops that
+the exporter's registry cannot translate, and, for tvm-onnx, ONNX ops without a TVM converter.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from . import Backend
+from .tvm import COMMON_PATCHES, build_library, run_library, tvm_version
+
+ONNX_NAME = "model.onnx"
+IO_NAME = "io.json"  # the program's user input names, in order: runs map inputs by name
+OPSET = 18
+
+
+def exporter_gaps(program) -> dict:
+    """Ops that the dynamo exporter's ONNX registry has no translation for, after its own
+    decomposition (torch's internal API: absent in other torch versions, then not audited)."""
+    try:
+        from torch.onnx._internal.exporter import _fx_passes, _registration
+    except ImportError as e:
+        return {"exporter_audit": f"unavailable: {e}"}
+    registry = _registration.ONNXRegistry.from_torchlib()
+    decomposed = _fx_passes.decompose_with_registry(program, registry)
+    ops = Counter(n.target for n in decomposed.graph.nodes if n.op == "call_function")
+    missing = {str(t): c for t, c in ops.items()
+               if hasattr(t, "_schema") and not registry.is_registered(t)}
+    return {"ops_without_onnx_translation": dict(sorted(missing.items())), "n_ops": sum(ops.values())}
+
+
+def export_onnx(program_path: Path, out_path: Path) -> dict:
+    """Dynamo exporter first; on failure the TorchScript exporter on the program's module.
+    Writes `out_path` (weights inside) and io.json beside it; returns what happened."""
+    import torch
+
+    program = torch.export.load(str(program_path))
+    names = [s.arg.name for s in program.graph_signature.input_specs
+             if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    (out_path.parent / IO_NAME).write_text(json.dumps({"inputs": names}))
+    info: dict = {}
+    try:
+        onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=OPSET, optimize=True)
+        onnx_program.save(str(out_path), external_data=False)
+        info["exporter"] = "dynamo"
+    except Exception as e:  # noqa: BLE001 - a rejection of the dynamo exporter is recorded, then the fallback
+        from ..jobs import first_error_line
+
+        info["dynamo_error"] = first_error_line(e)
+        if not program.example_inputs:
+            raise
+        args = tuple(program.example_inputs[0])
+        torch.onnx.export(program.module(), args, str(out_path), dynamo=False, opset_version=17,
+                          input_names=names)
+        info["exporter"] = "torchscript"
+    import onnx
+
+    model = onnx.load(str(out_path), load_external_data=False)
+    info["onnx_ops"] = dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
+    return info
+
+
+def input_feed(artifact_path: Path, graph_inputs: list[str], inputs: list) -> dict:
+    """Map the step's inputs (in the program's order) to the model's inputs by name."""
+    names = json.loads((artifact_path.parent / IO_NAME).read_text())["inputs"]
+    if len(names) != len(inputs):
+        raise ValueError(f"{len(inputs)} inputs given, the program has {len(names)} ({names})")
+    by_name = dict(zip(names, inputs))
+    missing = [n for n in graph_inputs if n not in by_name]
+    if missing:
+        raise ValueError(f"ONNX inputs {missing} are not inputs of the program ({names})")
+    return {n: by_name[n] for n in graph_inputs}
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    requires = ("onnxruntime", "onnx", "onnxscript")
+    patches = COMMON_PATCHES
+    artifact_name = ONNX_NAME
+    description = "torch.onnx.export (dynamo, TorchScript fallback) -> onnxruntime CPU"
+
+    def audit(self, program_path: Path) -> dict:
+        import torch
+
+        return exporter_gaps(torch.export.load(str(program_path)))
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        return export_onnx(program_path, out_dir / ONNX_NAME)
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        import numpy as np
+        import onnxruntime as ort
+        import torch
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(str(artifact_path), opts, providers=["CPUExecutionProvider"])
+        feed = input_feed(artifact_path, [i.name for i in sess.get_inputs()], inputs)
+        out = sess.run(None, {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in feed.items()})
+        return [torch.from_numpy(np.asarray(o)) for o in out]
+
+
+def tvm_onnx_gaps(model) -> dict:
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    convert_map = _get_convert_map()
+    ops = Counter(n.op_type for n in model.graph.node)
+    return {"onnx_ops_without_tvm_converter": {k: v for k, v in sorted(ops.items()) if k not in convert_map}}
+
+
+class TvmOnnxBackend(Backend):
+    name = "tvm-onnx"
+    requires = ("tvm", "onnx", "onnxscript")
+    patches = COMMON_PATCHES
+    artifact_name = "model.so"
+    description = "the ONNX file of `onnxruntime` through TVM Relax's ONNX frontend (llvm, Relax VM)"
+
+    def version(self) -> str:
+        return f"{tvm_version()},{super().version()}"
+
+    def audit(self, program_path: Path) -> dict:
+        import torch
+
+        return exporter_gaps(torch.export.load(str(program_path)))
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        import onnx
+        from tvm.relax.frontend.onnx import from_onnx
+
+        self.compile_audit = export_onnx(program_path, out_dir / ONNX_NAME)
+        model = onnx.load(str(out_dir / ONNX_NAME))
+        self.compile_audit.update(tvm_onnx_gaps(model))
+        dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
+                  for i in model.graph.input}
+        mod = from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
+        build_library(mod, out_dir / self.artifact_name)
+        self.graph_inputs = [i.name for i in model.graph.input]
+        (out_dir / "onnx_inputs.json").write_text(json.dumps(self.graph_inputs))
+        return self.compile_audit
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        graph_inputs = json.loads((artifact_path.parent / "onnx_inputs.json").read_text())
+        feed = input_feed(artifact_path, graph_inputs, inputs)
+        return run_library(artifact_path, list(feed.values()))

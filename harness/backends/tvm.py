@@ -1,0 +1,97 @@
+"""`tvm`: Apache TVM Relax. torch.export program -> `from_exported_program` -> `relax.build` for
+`llvm` -> a shared library run on the Relax VM. The audit lists the program's ops that the
+frontend has no converter for (its own `convert_map`), which is what fails first."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from . import Backend
+
+TARGET = "llvm"
+COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
+# harness.backend_patches: rewrites of spots the Relax frontend mistranslates
+TVM_PATCHES = ("stft_phase_where", "sine_interp_gather")
+
+
+def frontend_gaps(program) -> dict:
+    """Ops of `program` (after the Core ATen decomposition the frontend runs) without a converter."""
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    convert_map = ExportedProgramImporter().create_convert_map()
+    ops = Counter(n.target.__name__ for n in program.run_decompositions().graph.nodes
+                  if n.op == "call_function")
+    return {"ops_without_converter": {k: v for k, v in sorted(ops.items()) if k not in convert_map},
+            "n_ops": sum(ops.values())}
+
+
+def build_library(mod, out_path: Path) -> None:
+    """relax.build for the llvm target, exported as a shared library (needs a C compiler)."""
+    import tvm
+    from tvm import relax
+
+    with tvm.transform.PassContext(opt_level=3):
+        executable = relax.build(mod, target=TARGET)
+    executable.export_library(str(out_path))
+
+
+def run_library(path: Path, inputs: list) -> list:
+    import numpy as np
+    import torch
+    import tvm
+    from tvm import relax
+
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
+    args = [tvm.runtime.tensor(np.ascontiguousarray(t.detach().cpu().numpy())) for t in inputs]
+    out = vm["main"](*args)
+    return [torch.from_numpy(np.array(o.numpy())) for o in _flatten(out)]
+
+
+def tvm_version() -> str:
+    """The distribution is `apache-tvm`, the import `tvm`: the base class cannot find it by name."""
+    import importlib.metadata as md
+
+    try:
+        return f"apache-tvm=={md.version('apache-tvm')}"
+    except md.PackageNotFoundError:
+        return "tvm"
+
+
+def _flatten(value) -> list:
+    if hasattr(value, "numpy"):
+        return [value]
+    out = []
+    for v in value:
+        out.extend(_flatten(v))
+    return out
+
+
+class TvmBackend(Backend):
+    name = "tvm"
+    requires = ("tvm",)
+    patches = COMMON_PATCHES + TVM_PATCHES
+    artifact_name = "model.so"
+    description = f"Apache TVM Relax (from_exported_program, target {TARGET}, Relax VM)"
+
+    def version(self) -> str:
+        return tvm_version()
+
+    def audit(self, program_path: Path) -> dict:
+        import torch
+
+        return frontend_gaps(torch.export.load(str(program_path)))
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        import time
+
+        import torch
+        from tvm.relax.frontend.torch import from_exported_program
+
+        start = time.perf_counter()
+        mod = from_exported_program(torch.export.load(str(program_path)))
+        import_s = time.perf_counter() - start
+        build_library(mod, out_dir / self.artifact_name)
+        return {"import_s": import_s, "build_s": time.perf_counter() - start - import_s, "target": TARGET}
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        return run_library(artifact_path, inputs)

@@ -1,0 +1,535 @@
+"""The static HTML dashboard of the run history: the matrix, trends, one page per item, run versions.
+
+Why these libraries:
+- Jinja2 templates (harness/templates/) with autoescaping: reasons and logs are text from
+  runtimes and must never become markup.
+- Plotly for the charts: interactive (hover shows the exact value, the run and the regression
+  message; a dropdown switches the metric), well kept, and it ships its JavaScript inside the
+  PyPI package, so the site embeds `plotly.min.js` once under assets/ and opens from file:// with no
+  network. Figures are written by Plotly's own `to_html` (no hand-written JS).
+- matplotlib (Agg) for the spectrogram images: a raster is the right thing for a time-frequency
+  picture, and it keeps item pages small.
+
+The site is built in a temporary sibling directory and moved into place, so a reader never sees a
+half-built dashboard. Nothing is fetched; everything the pages use is copied into the site.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import wave
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .history import DEFAULT_FACTOR, History, Regression, Run, as_float, item_id, load_history, profile_from
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+# Cell colours by verdict (the tests read this table): light fills with dark text for the common
+# verdicts, a dark fill for a crash. Failures are warm, pipeline errors distinct, a skip is grey.
+VERDICT_COLORS = {
+    "pass": "#bfe6c8",
+    "fail": "#f5b3b1",
+    "run_error": "#f7c58f",
+    "timeout": "#f3e08a",
+    "crashed": "#6d1f1f",
+    "compile_error": "#d9c2f0",
+    "export_error": "#b9c8f2",
+    "skipped": "#e4e7eb",
+}
+VERDICT_INK = {"pass": "#1a7f37", "fail": "#b42318", "run_error": "#b54708", "timeout": "#8a6d00",
+               "crashed": "#6d1f1f", "compile_error": "#6e3bb5", "export_error": "#2f55c6", "skipped": "#6b7280"}
+NOT_RUN_COLOR = "#ffffff"
+TREND_METRICS = (  # key, label, how to combine outputs, axis type
+    ("floor_ratio", "error / fp32 noise floor", max, "log"),
+    ("rel_l2", "relative L2 error vs float64", max, "log"),
+    ("max_abs", "max abs error vs float64", max, "log"),
+    ("snr_db", "SNR vs float64 (dB)", min, "linear"),
+    ("run_s", "run time (s)", None, "linear"),
+)
+METRIC_ROWS = ("rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "floor_max_abs", "mean_abs", "cosine", "snr_db",
+               "nan_rate", "inf_rate", "new_nonfinite", "ref_peak")
+KNOWN_FIELDS = {"case", "step", "backend", "mode", "verdict", "reason", "metrics", "rewrite_drift", "patch_drift",
+                "patches", "semantic_patches", "audit", "timings", "cache", "peak_rss_mb", "artifact_bytes", "model",
+                "versions", "log", "audio", "schema", "bisect", "repro_dir"}
+SERIES_COLORS = ("#2563eb", "#ea580c", "#059669", "#9333ea", "#db2777", "#0891b2", "#65a30d", "#b45309")
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, str):
+        f = as_float(v)
+        return v if math.isnan(f) and v.lower() != "nan" else fmt(f)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "∞" if v > 0 else "−∞"
+        if v == 0:
+            return "0"
+        return f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}"
+    return str(v)
+
+
+def fmt_ratio(r: float) -> str:
+    """A floor ratio as people say it: 1.00×, 12.3×, 4.1e+03×."""
+    if not math.isfinite(r):
+        return fmt(r) + "×"
+    return (f"{r:.2f}" if r < 10 else f"{r:.1f}" if r < 1000 else f"{r:.1e}") + "×"
+
+
+def fmt_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _finite(v: Any) -> float | None:
+    f = as_float(v)
+    return f if math.isfinite(f) else None
+
+
+def worst_output(rec: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The output with the largest floor ratio (NaN counts as worst): the cell's key metric."""
+    metrics = rec.get("metrics") or {}
+    if not metrics:
+        return None
+
+    def badness(kv):
+        r = as_float(kv[1].get("floor_ratio"))
+        return math.inf if math.isnan(r) else r
+
+    return max(metrics.items(), key=badness)
+
+
+def combine(rec: dict[str, Any], key: str, how) -> float | None:
+    if key == "run_s":
+        return _finite((rec.get("timings") or {}).get("run_s"))
+    values = [as_float(m.get(key)) for m in (rec.get("metrics") or {}).values() if key in m]
+    values = [v for v in values if math.isfinite(v)]
+    return how(values) if values else None
+
+
+# ----------------------------------------------------------------------------- the model of the site
+
+@dataclass
+class Cell:
+    id: str
+    case: str
+    step: str
+    backend: str
+    mode: str
+    rec: dict[str, Any] | None
+    regressions: list[Regression]
+
+    @property
+    def verdict(self) -> str:
+        return self.rec["verdict"] if self.rec else "not_run"
+
+    @property
+    def label(self) -> str:
+        return {"not_run": "not run", "export_error": "export error", "compile_error": "compile error",
+                "run_error": "run error"}.get(self.verdict, self.verdict)
+
+    @property
+    def metric(self) -> str:
+        """The key metric for pass/fail; the reason for everything else."""
+        if not self.rec:
+            return ""
+        w = worst_output(self.rec)
+        if self.verdict in ("pass", "fail") and w:
+            return f"{fmt_ratio(as_float(w[1].get('floor_ratio')))} floor"
+        return self.rec.get("reason", "")
+
+    @property
+    def sub(self) -> str:
+        w = worst_output(self.rec) if self.rec else None
+        if self.verdict in ("pass", "fail") and w:
+            return f"rel {fmt(as_float(w[1].get('rel_l2')))}"
+        return ""
+
+
+def _order(values, preferred) -> list[str]:
+    values = set(values)
+    return [v for v in preferred if v in values] + sorted(values - set(preferred))
+
+
+def _dims(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    from .backends import backend_names
+    from .steps import PIPELINE_STEP_NAMES
+
+    return {"cases": _order({r["case"] for r in records}, ()),
+            "steps": _order({r["step"] for r in records}, PIPELINE_STEP_NAMES),
+            "backends": _order({r["backend"] for r in records}, backend_names()),
+            "modes": _order({r["mode"] for r in records}, ("dynamic", "static"))}
+
+
+def matrix(run: Run, regressions: list[Regression]) -> dict[str, Any]:
+    """Rows: step, then case; columns: backend, then mode. Every combination gets a cell."""
+    dims = _dims(run.records)
+    recs = run.by_item()
+    regs: dict[str, list[Regression]] = defaultdict(list)
+    for r in regressions:
+        regs[r.item].append(r)
+    rows = []
+    for step in dims["steps"]:
+        for i, case in enumerate(dims["cases"]):
+            cells = []
+            for b in dims["backends"]:
+                for m in dims["modes"]:
+                    iid = f"{case}-{step}-{b}-{m}"
+                    cells.append(Cell(iid, case, step, b, m, recs.get(iid), regs.get(iid, [])))
+            rows.append({"step": step, "case": case, "first": i == 0, "span": len(dims["cases"]), "cells": cells})
+    return {**dims, "rows": rows}
+
+
+def _run_label(run: Run, commit: bool = True) -> str:
+    label = f"{run.date[5:10]} {run.date[11:16]}"
+    return f"{label} · {str(run.git.get('commit', ''))[:7]}" if commit else label
+
+
+def _labels(runs: list[Run], commit: bool = True) -> list[str]:
+    """Unique x labels for the runs: the date (and commit), numbered when they repeat."""
+    labels, seen = [], defaultdict(int)
+    for run in runs:
+        label = _run_label(run, commit)
+        seen[label] += 1
+        labels.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return labels
+
+
+# ----------------------------------------------------------------------------- plots
+
+def _layout(**kw) -> dict[str, Any]:
+    base = dict(template="simple_white", margin=dict(l=60, r=20, t=40, b=50), font=dict(family="system-ui, sans-serif",
+                size=12), legend=dict(orientation="h", y=-0.25), hovermode="closest")
+    base.update(kw)
+    return base
+
+
+def _html(fig, div_id: str, height: int = 320) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, default_height=f"{height}px",
+                       config={"displaylogo": False, "responsive": True})
+
+
+def trend_figure(runs: list[Run], step: str, backend: str, regs_by_run: dict[str, list[Regression]],
+                 div_id: str, only_item: str | None = None, height: int = 340) -> str:
+    """One line per (case, mode) across the runs; a dropdown picks the metric; red rings mark
+    regressions (hover: before and after)."""
+    import plotly.graph_objects as go
+
+    labels = _labels(runs)
+    series: dict[str, list[dict | None]] = {}
+    for run in runs:
+        for rec in run.records:
+            if rec["step"] == step and rec["backend"] == backend and (only_item is None or item_id(rec) == only_item):
+                series.setdefault(f"{rec['case']} · {rec['mode']}", [None] * len(runs))
+    for i, run in enumerate(runs):
+        for rec in run.records:
+            key = f"{rec['case']} · {rec['mode']}"
+            if key in series and rec["step"] == step and rec["backend"] == backend:
+                series[key][i] = rec
+    fig = go.Figure()
+    ys_per_metric: list[list[list[float | None]]] = [[] for _ in TREND_METRICS]
+    for n, (name, recs) in enumerate(sorted(series.items())):
+        for k, (key, _, how, _) in enumerate(TREND_METRICS):
+            ys_per_metric[k].append([combine(r, key, how) if r else None for r in recs])
+        hover = [f"{labels[i]}<br>{r['verdict']}: {html.escape(r.get('reason', '')[:120])}" if r else "not run"
+                 for i, r in enumerate(recs)]
+        symbols = ["x" if r and r["verdict"] == "fail" else "circle" for r in recs]
+        fig.add_trace(go.Scatter(x=labels, y=ys_per_metric[0][-1], name=name, mode="lines+markers",
+                                 line=dict(color=SERIES_COLORS[n % len(SERIES_COLORS)], width=2),
+                                 marker=dict(size=9, symbol=symbols), text=hover,
+                                 hovertemplate="%{y:.4g}<br>%{text}<extra>" + name + "</extra>"))
+    # regressions of this (step, backend), as rings on the regressed points
+    reg_x, reg_text, reg_rows = [], [], []
+    for i, run in enumerate(runs):
+        for reg in regs_by_run.get(run.id, []):
+            rec = run.by_item().get(reg.item)
+            if rec and rec["step"] == step and rec["backend"] == backend and (only_item is None or reg.item == only_item):
+                reg_x.append(labels[i])
+                reg_text.append(html.escape(str(reg)))
+                reg_rows.append(rec)
+    for k, (key, _, how, _) in enumerate(TREND_METRICS):
+        ys_per_metric[k].append([combine(r, key, how) for r in reg_rows])
+    fig.add_trace(go.Scatter(x=reg_x, y=ys_per_metric[0][-1], name="regression", mode="markers",
+                             marker=dict(size=18, symbol="circle-open", color="#d1242f", line=dict(width=3)),
+                             text=reg_text, hovertemplate="%{text}<extra>regression</extra>"))
+    buttons = [dict(label=label, method="update",
+                    args=[{"y": ys_per_metric[k]}, {"yaxis.type": axis, "yaxis.title.text": label}])
+               for k, (_, label, _, axis) in enumerate(TREND_METRICS)]
+    fig.update_layout(**_layout(updatemenus=[dict(buttons=buttons, x=1, xanchor="right", y=1.02, yanchor="bottom",
+                                                  showactive=True, bgcolor="#ffffff")],
+                                margin=dict(l=60, r=20, t=40, b=40)))
+    fig.update_yaxes(type=TREND_METRICS[0][3], title_text=TREND_METRICS[0][1], exponentformat="e")
+    fig.update_xaxes(type="category")
+    return _html(fig, div_id, height)
+
+
+def overview_figure(runs: list[Run], div_id: str) -> str:
+    """Verdict counts per run, stacked: the health of the whole matrix over time."""
+    import plotly.graph_objects as go
+
+    labels = _labels(runs, commit=False)
+    fig = go.Figure()
+    for verdict in VERDICT_COLORS:
+        counts = [run.verdict_counts.get(verdict, 0) for run in runs]
+        if any(counts):
+            fig.add_trace(go.Bar(x=labels, y=counts, name=verdict.replace("_", " "),
+                                 marker=dict(color=VERDICT_INK[verdict] if verdict != "skipped" else "#9ca3af")))
+    fig.update_layout(**_layout(barmode="stack", margin=dict(l=40, r=10, t=30, b=40), legend=dict(
+        orientation="h", x=0, y=1.02, yanchor="bottom"), bargap=0.35))
+    fig.update_xaxes(type="category")
+    fig.update_yaxes(title_text="items")
+    return _html(fig, div_id, 230)
+
+
+def budget_figure(rec: dict[str, Any], threshold: dict[str, float], div_id: str) -> str | None:
+    """Per output: the fp32 noise floor, the backend's error, the pass threshold, and the drift
+    that the port's rewrites (static shapes) and semantic patches cost, on one log axis."""
+    import plotly.graph_objects as go
+
+    metrics = rec.get("metrics") or {}
+    if not metrics:
+        return None
+    outputs = list(metrics)
+    bars = [("fp32 noise floor", [metrics[o].get("floor_rel_l2") for o in outputs], "#9ca3af"),
+            ("backend error", [metrics[o].get("rel_l2") for o in outputs], VERDICT_INK.get(rec["verdict"], "#333")),
+            ("pass threshold", [threshold.get(o) for o in outputs], "#d1d5db")]
+    if rec.get("rewrite_drift"):
+        bars.append(("rewrite drift (static vs dynamic fp32)",
+                     [rec["rewrite_drift"].get(o, {}).get("rel_l2") for o in outputs], "#f59e0b"))
+    if rec.get("patch_drift"):
+        bars.append(("patch drift (patched vs unpatched fp32)",
+                     [rec["patch_drift"].get(o, {}).get("rel_l2") for o in outputs], "#8b5cf6"))
+    fig = go.Figure()
+    positive = []
+    for name, values, color in reversed(bars):
+        xs = [_finite(v) for v in values]
+        positive += [x for x in xs if x and x > 0]
+        fig.add_trace(go.Bar(y=outputs, x=[x if x and x > 0 else None for x in xs], name=name, orientation="h",
+                             marker=dict(color=color), text=[fmt(x) if x is not None else "NaN" for x in xs],
+                             textposition="outside", cliponaxis=False,
+                             hovertemplate="%{x:.3e}<extra>" + name + "</extra>"))
+    if positive:  # room for the labels right of the longest bar
+        fig.update_xaxes(range=[math.log10(min(positive)) - 0.3, math.log10(max(positive)) + 0.6])
+    fig.update_layout(**_layout(barmode="group", bargap=0.25, margin=dict(l=80, r=70, t=10, b=40), legend=dict(
+        orientation="h", x=0, y=-0.3, yanchor="top", traceorder="reversed")))
+    fig.update_xaxes(type="log", title_text="relative L2 error against float64 (log)", exponentformat="power")
+    return _html(fig, div_id, 250 + 110 * len(outputs))
+
+
+def read_wav(path: Path) -> tuple[np.ndarray, int]:
+    with wave.open(str(path), "rb") as w:
+        if w.getsampwidth() != 2:
+            raise ValueError(f"{path}: expected 16-bit PCM")
+        data = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float64) / 32767.0
+        return data.reshape(-1, w.getnchannels())[:, 0], w.getframerate()
+
+
+def spectrogram_png(reference: Path, backend: Path, out: Path) -> dict[str, float]:
+    """Reference, backend and their difference as log spectrograms on one dB scale (0 dB = the
+    reference's peak), so that the error's level and where it sits in time and frequency show."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref, sr = read_wav(reference)
+    cand, _ = read_wav(backend)
+    n = min(len(ref), len(cand))
+    ref, cand = ref[:n], cand[:n]
+    n_fft, hop = 1024, 256
+    window = np.hanning(n_fft)
+
+    def db(x):
+        if len(x) < n_fft:
+            x = np.pad(x, (0, n_fft - len(x)))
+        frames = np.lib.stride_tricks.sliding_window_view(x, n_fft)[::hop] * window
+        return np.abs(np.fft.rfft(frames, axis=1)).T
+
+    s_ref, s_cand, s_diff = db(ref), db(cand), db(cand - ref)
+    peak = max(float(s_ref.max()), 1e-12)
+    to_db = lambda s: 20 * np.log10(np.maximum(s, 1e-10) / peak)  # noqa: E731
+    err = float(np.linalg.norm(cand - ref))
+    snr = 20 * math.log10(float(np.linalg.norm(ref)) / err) if err > 0 else math.inf
+    extent = (0, n / sr, 0, sr / 2000)
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.3), dpi=100, sharey=True, constrained_layout=True)
+    titles = ("reference (float64)", "backend", f"difference (backend − reference), SNR {fmt(snr)} dB")
+    im = None
+    for ax, s, title in zip(axes, (s_ref, s_cand, s_diff), titles):
+        im = ax.imshow(to_db(s), origin="lower", aspect="auto", extent=extent, cmap="magma", vmin=-100, vmax=0,
+                       interpolation="nearest")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("time (s)")
+    axes[0].set_ylabel("kHz")
+    fig.colorbar(im, ax=axes, label="dB re reference peak", shrink=0.9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return {"seconds": n / sr, "sample_rate": sr, "snr_db": snr}
+
+
+# ----------------------------------------------------------------------------- pages
+
+def _env():
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = fmt
+    env.filters["bytes"] = fmt_bytes
+    env.filters["json"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
+    env.globals.update(VERDICT_COLORS=VERDICT_COLORS, VERDICT_INK=VERDICT_INK, NOT_RUN_COLOR=NOT_RUN_COLOR,
+                       METRIC_ROWS=METRIC_ROWS)
+    return env
+
+
+def _thresholds(rec: dict[str, Any], run: Run) -> dict[str, float]:
+    """Per output, the largest error that passed under the profile the run was judged with."""
+    tol = profile_from(run.selection.get("tolerances")).for_(rec["step"], rec["backend"], rec["mode"])
+    out = {}
+    for name, m in (rec.get("metrics") or {}).items():
+        floor = as_float(m.get("floor_rel_l2"))
+        out[name] = max(tol.floor_multiplier * floor if math.isfinite(floor) else 0.0, tol.rel_l2)
+    return out
+
+
+def _audio(rec: dict[str, Any], report_dir: Path, item_dir: Path, site_dir: Path) -> dict[str, Any] | None:
+    """Copy the item's WAVs into the site and draw the spectrograms; say which files are missing."""
+    audio = rec.get("audio") or {}
+    if not audio:
+        return None
+    players, missing = [], []
+    for role, rel in sorted(audio.items(), key=lambda kv: (kv[0] != "reference", kv[0])):
+        src = (report_dir / rel)
+        if src.is_file():
+            dst = item_dir / f"{role}.wav"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            players.append({"role": role, "src": dst.relative_to(site_dir / "items").as_posix()})
+        else:
+            missing.append(f"{role}: {src}")
+    out: dict[str, Any] = {"players": players, "missing": missing, "spectrogram": None}
+    roles = {p["role"] for p in players}
+    if {"reference", "backend"} <= roles:
+        try:
+            out["info"] = spectrogram_png(item_dir / "reference.wav", item_dir / "backend.wav",
+                                          item_dir / "spectrogram.png")
+            out["spectrogram"] = (item_dir / "spectrogram.png").relative_to(site_dir / "items").as_posix()
+        except (ValueError, OSError, wave.Error) as e:
+            out["missing"].append(f"spectrogram: {e}")
+    return out
+
+
+def _link(path: str, report_dir: Path, page_dir: Path) -> str:
+    """A record's path (relative to the report dir, or absolute) as a link from a page."""
+    p = Path(path)
+    return os.path.relpath((p if p.is_absolute() else report_dir / p).resolve(), page_dir.resolve())
+
+
+def build_dashboard(history_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                    report_dir: str | os.PathLike | None = None, factor: float = DEFAULT_FACTOR) -> Path:
+    """Build the site for the history in `history_dir` into `out_dir`; returns `out_dir`.
+
+    `report_dir` is where records' relative paths (audio, repro bundles) point (default: the
+    history directory's parent)."""
+    history_dir, out_dir = Path(history_dir), Path(out_dir)
+    report_dir = Path(report_dir) if report_dir is not None else history_dir.parent
+    history = load_history(history_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _build(history, tmp, report_dir, factor)
+        os.chmod(tmp, 0o755)
+        old = None
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / "site")
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _build(history: History, site: Path, report_dir: Path, factor: float) -> None:
+    import plotly
+
+    env = _env()
+    assets = site / "assets"
+    assets.mkdir(parents=True)
+    shutil.copyfile(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", assets / "plotly.min.js")
+    shutil.copyfile(TEMPLATES / "style.css", assets / "style.css")
+    regs_by_run = history.regressions(factor)
+    runs = history.runs
+    latest = history.latest
+    common = dict(history=history, latest=latest, runs=runs, factor=factor, built=time.strftime(
+        "%Y-%m-%d %H:%M UTC", time.gmtime()), problems=[str(p) for p in history.problems], plotly_version=plotly.__version__)
+
+    def render(name: str, path: Path, root: str, **kw) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(env.get_template(name).render(root=root, **common, **kw), encoding="utf-8")
+
+    latest_regs = regs_by_run.get(latest.id, []) if latest else []
+    render("index.html", site / "index.html", "", page="matrix",
+           matrix=matrix(latest, latest_regs) if latest else None, regressions=latest_regs,
+           overview=overview_figure(runs, "overview") if len(runs) > 0 else None)
+
+    all_recs = [r for run in runs for r in run.records]
+    dims = _dims(all_recs)
+    pairs = sorted({(r["step"], r["backend"]) for r in all_recs},
+                   key=lambda sb: (dims["steps"].index(sb[0]), dims["backends"].index(sb[1])))
+    trends = [{"step": s, "backend": b, "id": f"trend-{s}-{b}",
+               "n_regressions": sum(1 for run in runs for g in regs_by_run.get(run.id, [])
+                                    if _split(g.item, run)[1:3] == (s, b)),
+               "html": trend_figure(runs, s, b, regs_by_run, f"trend-{s}-{b}")} for s, b in pairs]
+    render("trends.html", site / "trends.html", "", page="trends", trends=trends)
+
+    run_rows = []
+    for i, run in enumerate(runs):
+        run_rows.append({"run": run, "label": _labels(runs)[i], "regressions": regs_by_run.get(run.id, [])})
+    render("runs.html", site / "runs.html", "", page="runs", run_rows=list(reversed(run_rows)))
+
+    if latest:
+        items_dir = site / "items"
+        for rec in latest.records:
+            iid = item_id(rec)
+            item_dir = items_dir / iid
+            extra = {k: v for k, v in rec.items() if k not in KNOWN_FIELDS}
+            render("item.html", items_dir / f"{iid}.html", "../", page="item", rec=rec, iid=iid,
+                   regressions=[g for g in latest_regs if g.item == iid],
+                   budget=budget_figure(rec, _thresholds(rec, latest), "budget"),
+                   thresholds=_thresholds(rec, latest),
+                   trend=trend_figure(runs, rec["step"], rec["backend"], regs_by_run, "item-trend-plot", only_item=iid,
+                                      height=300) if len(runs) > 1 else None,
+                   audio=_audio(rec, report_dir, item_dir, site),
+                   repro_link=_link(rec["repro_dir"], report_dir, items_dir) if rec.get("repro_dir") else None,
+                   extra=extra, history_rows=[(lbl, run.by_item().get(iid)) for lbl, run in
+                                              zip(_labels(runs), runs) if iid in run.by_item()][::-1])
+
+
+def _split(iid: str, run: Run) -> tuple[str, str, str, str]:
+    rec = run.by_item().get(iid)
+    return (rec["case"], rec["step"], rec["backend"], rec["mode"]) if rec else ("", "", "", "")

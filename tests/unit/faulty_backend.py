@@ -1,0 +1,137 @@
+"""Fault-injection backends: a real backend whose compiled program computes one chosen node wrongly.
+
+They exist to test bisection against a known answer. Registered for tests only, through
+`KOKORO_PARITY_EXTRA_BACKENDS="faulty-eager=faulty_backend:FaultyEager"` with tests/unit on
+PYTHONPATH; the fault comes from `KOKORO_PARITY_FAULT`, e.g. `node=convolution_3,kind=scale`
+(kinds: nan, scale [factor=1.01], sign, shift (one sample along the last axis), jitter [factor=1e-5]:
+x + factor * x shifted by one sample, a small error that normalization does not remove), or
+`op=aten.transpose.int` instead of `node=` to corrupt every node of one op (errors that accumulate). Without a
+fault the backend is its base, clean. The rewrite happens before compiling, on the program's
+graph, so the fault exists in every program that contains the node and in no other.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from pathlib import Path
+
+from harness.backends import Backend, get_backend
+from harness.backends.eager import EagerBackend
+from harness.backends.executorch import XnnpackBackend
+
+FAULT_ENV = "KOKORO_PARITY_FAULT"
+KINDS = ("nan", "scale", "sign", "shift", "jitter")
+
+
+def parse_fault(text: str | None) -> dict | None:
+    if not text:
+        return None
+    fault = dict(part.split("=", 1) for part in text.split(",") if part)
+    if fault.get("kind") not in KINDS or not ({"node", "op"} & set(fault)):
+        raise ValueError(f"{FAULT_ENV}={text!r}: want node=<name> or op=<aten op>, and kind= one of {KINDS}")
+    return fault
+
+
+def insert_fault(program, fault: dict):
+    """Corrupt the output of the node named fault['node'] (or of every float node whose op is
+    fault['op']) and re-export; node names are kept by torch.export. Uses only torch, so a repro
+    bundle can carry this function as its 'backend bug'."""
+    import torch
+
+    gm = program.module()
+    graph = gm.graph
+
+    def chosen(n):
+        val = n.meta.get("val")
+        return (n.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point()
+                and (n.name == fault.get("node") or str(n.target) == fault.get("op")))
+
+    targets = [n for n in graph.nodes if chosen(n)]
+    if not targets:
+        return program
+    aten = torch.ops.aten
+    for n in targets:
+        with graph.inserting_after(n):
+            kind = fault["kind"]
+            if kind == "nan":
+                bad = graph.call_function(aten.mul.Tensor, (n, float("nan")))
+            elif kind == "scale":
+                bad = graph.call_function(aten.mul.Tensor, (n, float(fault.get("factor", 1.01))))
+            elif kind == "sign":
+                bad = graph.call_function(aten.neg.default, (n,))
+            elif kind == "shift":
+                bad = graph.call_function(aten.roll.default, (n, [1], [-1]))
+            else:  # jitter
+                rolled = graph.call_function(aten.roll.default, (n, [1], [-1]))
+        if kind == "jitter":
+            with graph.inserting_after(rolled):
+                bad = graph.call_function(aten.add.Tensor, (n, rolled), {"alpha": float(fault.get("factor", 1e-5))})
+        mine = {bad, *bad.all_input_nodes} - {n}
+        n.replace_all_uses_with(bad, delete_user_cb=lambda user, mine=mine: user not in mine)
+    gm.recompile()
+    if program.example_inputs is not None:
+        args = tuple(program.example_inputs[0])
+    else:
+        args = tuple(torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype)
+                     for p in graph.nodes if p.op == "placeholder")
+    return torch.export.export(gm, args, strict=False)
+
+
+class _Faulty(Backend):
+    base = ""
+
+    def __init__(self) -> None:
+        self._base = get_backend(self.base)
+
+    def available(self):
+        return self._base.available()
+
+    def version(self) -> str:
+        return f"{self._base.version()}+fault[{os.environ.get(FAULT_ENV, '')}]"
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        import torch
+
+        fault = parse_fault(os.environ.get(FAULT_ENV))
+        if fault is None:
+            return self._base.compile(program_path, out_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            faulty = Path(tmp) / "program.pt2"
+            torch.export.save(insert_fault(torch.export.load(str(program_path)), fault), str(faulty))
+            audit = self._base.compile(faulty, out_dir)
+        return {**(audit or {}), "injected_fault": fault}
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        return self._base.run(artifact_path, inputs)
+
+    def repro_runner(self) -> str:
+        """The `run_backend(program, inputs)` of a standalone repro: the fault, then the base."""
+        from harness.bisect import repro_runner
+
+        base = repro_runner(self._base).replace("def run_backend(", "def run_base_backend(")
+        fault = parse_fault(os.environ.get(FAULT_ENV))
+        return (f"{inspect.getsource(insert_fault)}\n\n{base}\n\nFAULT = {fault!r}\n\n\n"
+                "def run_backend(program, inputs):\n"
+                "    \"\"\"The 'backend bug' of this test backend: one node computed wrongly.\"\"\"\n"
+                "    if FAULT:\n"
+                "        program = insert_fault(program, FAULT)\n"
+                "    return run_base_backend(program, inputs)\n")
+
+
+class FaultyEager(_Faulty):
+    name = "faulty-eager"
+    base = "eager"
+    requires = EagerBackend.requires
+    patches = EagerBackend.patches
+    artifact_name = EagerBackend.artifact_name
+    description = "TEST ONLY: eager with one node corrupted ($KOKORO_PARITY_FAULT)"
+
+
+class FaultyXnnpack(_Faulty):
+    name = "faulty-xnnpack"
+    base = "xnnpack"
+    requires = XnnpackBackend.requires
+    patches = XnnpackBackend.patches
+    artifact_name = XnnpackBackend.artifact_name
+    description = "TEST ONLY: ExecuTorch+XNNPACK with one node corrupted ($KOKORO_PARITY_FAULT)"

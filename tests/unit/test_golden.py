@@ -1,0 +1,82 @@
+"""The golden store: round trip, and every way golden data can be untrustworthy is an error."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness.cases import Bucket, Case
+from harness.golden import GoldenError, GoldenStore, compare
+from harness.reference import compute_traces
+
+CASE = Case(id="tiny", language="en-us", text="Hi.", phonemes="hˈI.", voice="jf_alpha",
+            bucket=Bucket(tokens=16, frames=400))
+
+
+@pytest.fixture(scope="module")
+def traces(random_model):
+    return compute_traces(random_model, CASE, steps=("bert", "bert_encoder", "duration_encoder", "duration"))
+
+
+@pytest.fixture
+def store(tmp_path, traces, random_model):
+    s = GoldenStore(tmp_path / "golden" / random_model.name)
+    s.write(CASE, "static", traces, random_model)
+    return s
+
+
+def test_round_trip(store, traces, random_model):
+    assert store.check(CASE, "static", traces, random_model) == []
+    files = sorted(p.name for p in store.dir("tiny", "static").iterdir())
+    assert "manifest.json" in files and "duration.duration.npy" in files
+
+
+def test_missing_golden_says_how_to_make_it(tmp_path, traces, random_model):
+    with pytest.raises(GoldenError, match="--update-golden"):
+        GoldenStore(tmp_path).check(CASE, "static", traces, random_model)
+
+
+def test_corrupted_file_fails_its_checksum(store, traces, random_model):
+    path = store.dir("tiny", "static") / "bert.bert_dur.npy"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(GoldenError, match="bert.bert_dur.npy: fails its checksum"):
+        store.check(CASE, "static", traces, random_model)
+
+
+def test_other_weights_are_an_error(store, traces):
+    from harness.model import load_random
+
+    with pytest.raises(GoldenError, match="other weights"):
+        store.check(CASE, "static", traces, load_random(1))
+
+
+def test_changed_case_is_an_error(store, traces, random_model):
+    changed = CASE.model_copy(update={"speed": 1.1})
+    with pytest.raises(GoldenError, match="changed"):
+        store.check(changed, "static", traces, random_model)
+
+
+def test_changed_reference_is_reported(store, traces, random_model):
+    name, mode = "duration", "static"
+    outputs = traces.io[(name, mode, "float32")][1]
+    original = outputs["duration"].clone()
+    outputs["duration"] = original * 1.01
+    try:
+        problems = store.check(CASE, mode, traces, random_model)
+    finally:
+        outputs["duration"] = original
+    assert problems and "duration.duration" in problems[0]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_never_equals_nan(bad):
+    a = np.ones(8, np.float32)
+    a[3] = bad
+    assert compare("x", a, a.copy()) is not None  # unlike pytest-regressions' NaN == NaN
+
+
+def test_large_tensors_stored_as_float16_are_compared_at_that_precision():
+    x = np.random.default_rng(0).standard_normal(200_000).astype(np.float32)
+    assert compare("x", x, x.astype(np.float16)) is None
+    assert compare("x", x * 1.01, x.astype(np.float16)) is not None

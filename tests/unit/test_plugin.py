@@ -1,0 +1,57 @@
+"""The plugin end to end on the default model: `pytest --backend=xnnpack -k decoder` really exports
+Kokoro's decoder, lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics in both modes;
+a second run does no export and no compile (the cache)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_pytest(args, report_dir):
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:logging", "--report-dir", str(report_dir), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+
+
+@pytest.mark.slow
+def test_xnnpack_decoder_both_modes_and_golden(tmp_path):
+    args = ["--backend=xnnpack", "--backend=eager", "--case=en_short", "-k", "decoder or golden"]
+    first = run_pytest(args, tmp_path)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    assert "kokoro-parity summary" in first.stdout
+    records = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "records").glob("*.json")}
+    for mode in ("dynamic", "static"):
+        rec = records[f"en_short-decoder-xnnpack-{mode}"]
+        assert rec["verdict"] == "pass", rec["reason"]
+        m = rec["metrics"]["audio"]
+        for key in ("nan_rate", "inf_rate", "max_abs", "mean_abs", "rel_l2", "cosine", "snr_db", "floor_ratio"):
+            assert key in m
+        assert rec["timings"].get("run_s", 0) > 0 and rec["artifact_bytes"] > 1e6
+        assert rec["audit"]["delegate_coverage"] > 0.5
+        assert "custom_stft" in rec["semantic_patches"] and rec["patch_drift"]["audio"]["rel_l2"] > 0
+    assert records["en_short-decoder-xnnpack-static"]["rewrite_drift"]["audio"]["rel_l2"] > 0
+
+    second = run_pytest(args, tmp_path)
+    assert second.returncode == 0
+    work = re.search(r"work: exports (\d+), compiles (\d+)", second.stdout)
+    assert work and work.groups() == ("0", "0"), second.stdout[-2000:]
+
+
+def test_ids_select_what_a_user_expects():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--backend=eager",
+                          "-k", "decoder and static"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    ids = [l for l in out.stdout.splitlines() if "::" in l]
+    assert ids and all("-decoder-eager-static" in l for l in ids), out.stdout[-2000:]
+    assert {l.split("[")[1].split("-")[0] for l in ids} >= {"en_short", "ja"}
+
+
+def test_unknown_backend_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--backend=nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "unknown backend 'nope'" in (out.stdout + out.stderr)

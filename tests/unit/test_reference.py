@@ -1,0 +1,38 @@
+"""References: teacher-forced step traces, valid regions, submodule capture."""
+from __future__ import annotations
+
+import torch
+
+from harness.cases import Bucket, Case
+from harness.reference import capture_submodules, compute_traces
+from harness.steps import get_step
+
+CASE = Case(id="tiny", language="en-us", text="Hi.", phonemes="hˈI.", voice="jf_alpha",
+            bucket=Bucket(tokens=16, frames=400))
+
+
+def test_token_steps_dynamic_and_static(random_model):
+    tr = compute_traces(random_model, CASE, steps=("bert", "bert_encoder", "duration_encoder", "duration"))
+    n = tr.valid.tokens
+    assert n == len("hˈI.") + 2
+    assert tr.inputs("bert", "dynamic")["input_ids"].shape == (1, n)
+    assert tr.inputs("bert", "static")["input_ids"].shape == (1, 16)
+    assert tr.inputs("duration_encoder", "static")["text_mask"][0, n:].all()  # padding is masked
+    assert tr.inputs("duration_encoder", "static")["input_lengths"].item() == n  # real length
+    # float64 traces are the same steps on the same (cast) inputs
+    assert tr.inputs("bert_encoder", "dynamic", "float64")["bert_dur"].dtype == torch.float64
+    out32 = tr.outputs("duration_encoder", "dynamic", "float32")["d"].double()
+    out64 = tr.outputs("duration_encoder", "dynamic", "float64")["d"]
+    assert 0 < float((out32 - out64).norm() / out64.norm()) < 1e-5  # the fp32 noise floor
+    # the static reference differs from the dynamic one on the valid region: the rewrite drift
+    static = tr.valid_region("duration_encoder", "d", tr.outputs("duration_encoder", "static")["d"])
+    assert static.shape == out32.shape and float((static - out32.float()).abs().max()) > 1e-4
+    assert len(tr.pred_dur) == n and all(d >= 1 for d in tr.pred_dur)
+
+
+def test_capture_submodules_by_path(random_model):
+    step = get_step("bert_encoder")
+    module = step.module(random_model.kmodel)
+    seen = capture_submodules(module, [torch.randn(1, 5, 768)])
+    assert list(seen) == ["kmodel", "kmodel.bert_encoder"] or "kmodel.bert_encoder" in seen
+    assert seen["kmodel.bert_encoder"].shape == (1, 5, 512)
