@@ -34,6 +34,10 @@ nightly: install
 dashboard: install
 	$(BIN)/kokoro-parity dashboard $(ARGS)
 
+# Benchmarks print figures (cold vs warm, harness vs bare script, per item); tests never time anything.
+bench: install
+	$(BIN)/python benchmarks/bench.py $(ARGS)
+
 test: install
 	$(BIN)/pytest tests/unit $(ARGS)
 

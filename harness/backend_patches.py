@@ -18,7 +18,8 @@ from .patches import _noise, patch
 # ---- CustomSTFT phase correction: boolean-mask index_put -> torch.where ----------------------
 # kokoro.custom_stft.CustomSTFT.transform writes `phase[mask] = pi`, an aten.index_put with a
 # boolean index. TVM Relax 0.27 rejects it: "IndexPut requires each index tensor to have integer
-# dtype. However, index tensor 0 has dtype=T.bool".
+# dtype. However, index tensor 0 has dtype=T.bool". Its `&` of two masks is `aten.__and__`, which
+# coremltools 9 has no MIL lowering for ("Unsupported fx node and_1, kind __and__").
 
 def _custom_stft_transform(self, waveform: torch.Tensor):
     """CustomSTFT.transform with the phase correction as a select instead of a masked store."""
@@ -32,13 +33,14 @@ def _custom_stft_transform(self, waveform: torch.Tensor):
     imag_out = F.conv1d(x, self.weight_forward_imag, bias=None, stride=self.hop_length, padding=0)
     magnitude = torch.sqrt(real_out**2 + imag_out**2 + 1e-14)
     phase = torch.atan2(imag_out, real_out)
-    correction_mask = (imag_out == 0) & (real_out < 0)
+    correction_mask = torch.logical_and(imag_out == 0, real_out < 0)
     phase = torch.where(correction_mask, torch.full_like(phase, torch.pi), phase)
     return magnitude, phase
 
 
 @patch("stft_phase_where", True, "CustomSTFT's `phase[mask] = pi` is a boolean index_put that TVM "
-       "Relax rejects (index tensor dtype bool); torch.where computes the same")
+       "Relax rejects (index tensor dtype bool), and its `&` an op coremltools cannot lower; "
+       "torch.where and logical_and compute the same")
 def _stft_phase_where(model: nn.Module) -> None:
     from kokoro.custom_stft import CustomSTFT
 

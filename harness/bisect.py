@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from .files import atomic_write_json, atomic_write_text, content_key
 
-BISECT_VERSION = 3  # bump when carving or exporting probes changes: it invalidates cached probes
+BISECT_VERSION = 4  # bump when carving or exporting probes changes: it invalidates cached probes
 BISECTABLE = ("fail", "run_error", "crashed", "compile_error")
 SKIP_MODULE_TYPES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.",
                      "torch.nn.modules.linear.Identity")
@@ -60,8 +60,8 @@ def _mutates(node) -> bool:
 
 
 def source_line(node) -> str:
-    """The last frame of the node's stack trace inside kokoro (else the last frame), as
-    `kokoro/istftnet.py:31 in forward: <code>`."""
+    """The last frame of the node's stack trace inside kokoro or the harness's patched forwards,
+    else the last one outside torch, as `kokoro/istftnet.py:31 in forward: <code>`."""
     lines = (node.meta.get("stack_trace") or "").splitlines()
     frames = []
     for i, line in enumerate(lines):
@@ -73,9 +73,11 @@ def source_line(node) -> str:
             frames.append((path, lineno, func, code))
     if not frames:
         return ""
-    inside = [f for f in frames if "/kokoro/" in f[0]]
-    path, lineno, func, code = (inside or frames)[-1]
+    inside = [f for f in frames if "/kokoro/" in f[0] or f[0].endswith("harness/patches.py")]
+    outside_torch = [f for f in frames if "site-packages/torch/" not in f[0]]
+    path, lineno, func, code = (inside or outside_torch or frames)[-1]
     short = path.split("site-packages/")[-1]
+    short = "harness/" + short.split("/harness/")[-1] if "/harness/" in short else short
     return f"{short}:{lineno} in {func}: {code}"
 
 
@@ -83,10 +85,16 @@ def module_stack(node) -> list[tuple[str, str]]:
     """(full path, type) from the outermost module in; a patched forward (kokoro's
     DurationEncoder) records its children relative to itself, so relative paths are joined."""
     out: list[tuple[str, str]] = []
-    for path, typ in (node.meta.get("nn_module_stack") or {}).values():
-        if out and out[-1][0] and path and not path.startswith(out[-1][0] + "."):
-            path = f"{out[-1][0]}.{path}"
-        out.append((path, str(typ)))
+    prev_raw, prev_base = None, ""
+    for raw, typ in (node.meta.get("nn_module_stack") or {}).values():
+        base = ""
+        if out and out[-1][0] and raw and not raw.startswith(out[-1][0] + "."):
+            if prev_raw and raw.startswith(prev_raw + "."):
+                base = prev_base  # relative to the same module as the entry before
+            else:
+                base = out[-1][0] + "."
+        out.append((base + raw, str(typ)))
+        prev_raw, prev_base = raw, base
     return out
 
 
@@ -217,27 +225,49 @@ def evaluate(gm, inputs: list, dtype: str) -> list:
 def restore_names(program, carved) -> bool:
     """Give the exported subprogram's nodes the step's names (export numbers them afresh), so a
     node is called the same in the step, in every probe, in the repro and in a backend's log.
-    Export of an aten graph keeps its nodes one to one; if not, the names stay (returns False)."""
-    src = [n for n in carved.graph.nodes if n.op == "call_function"]
+    The map is export's own provenance (node.meta["from_node"]); getitems of a multi-output op
+    map by index, and those export adds for unused outputs get a name no step node has.
+    Returns whether every carved node found its name."""
+    import operator
+
+    src = {n.name: n for n in carved.graph.nodes if n.op == "call_function"}
+    getitems = {(n.args[0].name, n.args[1]): n.name for n in src.values()
+                if n.target is operator.getitem and hasattr(n.args[0], "name")}
     dst = [n for n in program.graph.nodes if n.op == "call_function"]
-    if len(src) != len(dst) or any(a.target != b.target for a, b in zip(src, dst)):
+    want = {}
+    for n in dst:
+        origin = [f.name for f in (n.meta.get("from_node") or [])]
+        if not origin:
+            continue
+        if n.target is operator.getitem:
+            parent = want.get(n.args[0].name)
+            if parent is not None:
+                want[n.name] = getitems.get((parent, n.args[1]), f"{parent}__out{n.args[1]}")
+        elif origin[0] in src and src[origin[0]].target == n.target:
+            want[n.name] = origin[0]
+    if len(set(want.values())) != len(want):
         return False
-    old = {}
-    for i, n in enumerate(dst):
-        old[f"__bisect_{i}"] = n.name
+    renamed = {}
+    for i, n in enumerate(dst):  # through temporary names, so no rename collides
+        renamed[f"__bisect_{i}"] = n.name
         n._rename(f"__bisect_{i}")
-    new = {}
     namespace = program.graph._graph_namespace  # fx renumbers suffix-less names: set them directly
-    for a, b in zip(src, dst):
-        new[old[b.name]] = a.name
-        b.name = a.name
-        namespace._used_names.add(a.name)
-        namespace._obj_to_name[b] = a.name
+    new = {}
+    for n in dst:
+        old = renamed[n.name]
+        name = want.get(old)
+        if name is None:
+            n._rename(old if old not in src else f"{old}__export")
+        else:
+            n.name = name
+            namespace._used_names.add(name)
+            namespace._obj_to_name[n] = name
+        new[old] = n.name
     for spec in program.graph_signature.output_specs:
         if spec.arg is not None and getattr(spec.arg, "name", None) in new:
             spec.arg.name = new[spec.arg.name]
     program.graph_module.recompile()
-    return all(a.name == b.name for a, b in zip(src, dst))
+    return set(src) <= {n.name for n in dst}
 
 
 def step_program(session, item, backend, inputs: dict) -> tuple[Path, str]:
@@ -352,7 +382,8 @@ class Bisector:
         def build(tmp: Path) -> None:
             with torch.no_grad():
                 program = torch.export.export(gm, tuple(inputs), strict=False)
-            restore_names(program, gm)
+            if not restore_names(program, gm):
+                raise BisectError("export renamed nodes beyond recovery")
             torch.export.save(program, str(tmp / "program.pt2"))
             torch.save([t.contiguous() for t in inputs], tmp / "inputs.pt")
             atomic_write_json(tmp / "probe.json", {"outputs": outputs, "inputs": in_names})
@@ -589,6 +620,8 @@ class Bisector:
             atomic_write_text(out_dir / "repro.py", _REPRO.format(
                 summary=facts["summary"], backend=self.backend.name, runner=runner,
                 floor_multiplier=self.tol.floor_multiplier, rel_l2=self.tol.rel_l2, node=k.name))
+        for p in out_dir.iterdir():
+            p.chmod(0o644)
         info = {"path": str(out_dir), "bytes": sum(p.stat().st_size for p in out_dir.iterdir()),
                 "files": sorted(p.name for p in out_dir.iterdir()), "n_ops": window["n_ops"],
                 "n_inputs": len(in_names), "template": runner is not None}
@@ -677,6 +710,22 @@ REPRO_RUNNERS = {
     method = Runtime.get().load_program(buffer).load_method("forward")
     return list(method.execute([t.contiguous() for t in inputs]))
 ''',
+    "onnxruntime": '''def run_backend(program, inputs):
+    """torch.onnx.export (dynamo exporter, opset 18) -> onnxruntime, CPU execution provider."""
+    import tempfile
+
+    import onnxruntime as ort
+    from torch.export.graph_signature import InputKind
+
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "model.onnx")
+        torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True).save(path, external_data=False)
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feed = dict(zip(names, inputs))
+    out = session.run(None, {i.name: np.ascontiguousarray(feed[i.name].numpy()) for i in session.get_inputs()})
+    return [torch.from_numpy(np.asarray(o)) for o in out]
+''',
 }
 _XNNPACK = dict(partitioner_name="XnnpackPartitioner", partitioners="[XnnpackPartitioner()]",
                 partitioner_import="    from executorch.backends.xnnpack.partition.xnnpack_partitioner import "
@@ -696,6 +745,8 @@ def repro_runner(backend) -> str | None:
         return REPRO_RUNNERS["executorch"].format(**_XNNPACK)
     if backend.name == "portable":
         return REPRO_RUNNERS["executorch"].format(**_PORTABLE)
+    if backend.name == "onnxruntime":
+        return REPRO_RUNNERS["onnxruntime"]
     return None
 
 
@@ -816,7 +867,7 @@ def _env_md(backend) -> str:
 
     rows = [("Python", platform.python_version()), ("OS", platform.platform()),
             ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)")]
-    for pkg in ("torch", "numpy", "executorch"):
+    for pkg in ("torch", "numpy", "executorch", "onnxruntime", "onnx", "onnxscript"):
         try:
             rows.append((pkg, md.version(pkg)))
         except md.PackageNotFoundError:
@@ -836,7 +887,7 @@ def _report_md(f: dict) -> str:
     tol = f["tol"]
     return f"""# {f['summary']}
 
-**Summary.** On `{f['backend']}` ({f['version']}), the subgraph in `program.pt2` ({f['n_ops']} ops, ending in
+**Summary.** On `{f['backend']}` ({f['version']}), the subgraph in `program.pt2` ({f['n_ops']} op{'s' if f['n_ops'] != 1 else ''}, ending in
 `{f['op']}`) does not match PyTorch: {f['actual']}.
 
 ## Expected vs actual

@@ -41,6 +41,28 @@ def cmd_run(args) -> int:
     return 0 if all(r.verdict.ok for r in records) else 1
 
 
+def cmd_bisect(args) -> int:
+    """Run one item; if it fails, localize the first diverging module and op, and write a repro."""
+    from .bisect import BISECTABLE, bisect_item
+    from .report import item_table
+    from .runner import Item, Session
+    from .verdict import Profile
+
+    session = Session(weights=args.weights, case_ids=[args.case], report_dir=args.report_dir,
+                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
+    item = Item(args.case, args.step, args.backend, args.mode)
+    rec = session.run(item)
+    if rec.verdict.value not in BISECTABLE:
+        print(item_table(rec))
+        print(f"{item.id}: {rec.verdict.value}: nothing to localize")
+        return 0 if rec.verdict.ok else 1
+    print(f"{item.id}: {rec.verdict.value.upper()} {rec.reason}\nbisecting ...", flush=True)
+    bisect_item(session, item, rec, depth=args.depth, verify=not args.no_verify,
+                log=lambda line: print(line, flush=True))
+    print(item_table(rec))
+    return 1
+
+
 def cmd_nightly(args) -> int:
     """The whole matrix (or the selected part) into one history entry, compared with the last one."""
     from .backends import backend_names, get_backend
@@ -48,17 +70,27 @@ def cmd_nightly(args) -> int:
     from .runner import Session
     from .verdict import Profile
 
+    history_dir = args.history_dir or args.report_dir / "history"
+    if args.from_records:
+        from .history import record_run
+
+        result = record_run(args.from_records, history_dir, junit_path=args.junit or args.report_dir / "junit" /
+                            "nightly.xml", factor=args.factor, profile=Profile.load(args.profile))
+        return _nightly_done(args, result, history_dir)
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
     items = session.items(backends, args.step, modes)
-    history_dir = args.history_dir or args.report_dir / "history"
     selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(modes),
                      weights=args.weights, profile=args.profile, with_patch=args.with_patch)
     result = nightly(session, items, history_dir, junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
                      factor=args.factor, selection=selection,
                      on_record=lambda r: print(f"{r.item_id}: {r.verdict.value.upper()}  {r.reason}"[:200], flush=True))
+    return _nightly_done(args, result, history_dir)
+
+
+def _nightly_done(args, result, history_dir) -> int:
     for problem in result.problems:
         print(f"history: unreadable file {problem}", file=sys.stderr)
     print(result.summary())
@@ -93,6 +125,32 @@ def cmd_drift(args) -> int:
             rows += [r for r in rewrite_drift(session.model, case, traces, variant)
                      if not args.step or r["step"] in args.step]
     print(tabulate(rows, headers="keys", floatfmt=".2e"))
+    return 0
+
+
+def cmd_merge(args) -> int:
+    """Join the records of several shards (report dirs) into one report dir."""
+    import json
+
+    from .files import atomic_write_json
+    from .record import read_records
+
+    seen: dict[str, str] = {}
+    for d in args.dirs:
+        records = read_records(Path(d) / "records")
+        for rec in records:
+            if rec.item_id in seen:
+                raise ValueError(f"item {rec.item_id} is in two shards ({seen[rec.item_id]} and {d})")
+            seen[rec.item_id] = d
+            rec.write(args.out / "records")
+        counts = {}
+        for p in (Path(d) / "counts").glob("*.json"):
+            for k, v in json.loads(p.read_text()).items():
+                counts[k] = counts.get(k, 0) + v
+        if counts:
+            atomic_write_json(args.out / "counts" / f"{Path(d).name}.json", counts)
+        print(f"{d}: {len(records)} records")
+    print(f"merged {len(seen)} records into {args.out / 'records'}")
     return 0
 
 
@@ -142,6 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_options(p)
     p.set_defaults(fn=cmd_run)
     sub.add_parser("backends", help="list backends and whether they can run here").set_defaults(fn=cmd_backends)
+    p = sub.add_parser("bisect", help="run one item; if it fails, find the first diverging module and op, "
+                                      "and write a standalone repro to <report-dir>/repro/<item>/")
+    p.add_argument("--case", required=True)
+    p.add_argument("--step", required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--mode", choices=("dynamic", "static"), default="static")
+    p.add_argument("--depth", type=int, default=2, help="module levels tried alone before the op bisection")
+    p.add_argument("--no-verify", action="store_true", help="do not run the written repro.py")
+    p.add_argument("--weights")
+    p.add_argument("--report-dir", default="reports", type=Path)
+    p.add_argument("--profile")
+    p.add_argument("--with-patch", action="append", default=[])
+    p.set_defaults(fn=cmd_bisect)
+    p = sub.add_parser("merge", help="join the report dirs of several shards (--shard K/N) into one")
+    p.add_argument("dirs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(fn=cmd_merge)
     p = sub.add_parser("drift", help="rewrite drift of the static references (no backend), per case and step")
     p.add_argument("--case", action="append")
     p.add_argument("--step", action="append")
@@ -154,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--junit", type=Path, help="default: <report-dir>/junit/nightly.xml")
     p.add_argument("--factor", type=float, default=2.0, help="an error metric that grew by more is a regression")
     p.add_argument("--dashboard", type=Path, help="then build the dashboard into this directory")
+    p.add_argument("--from-records", type=Path, help="run nothing: make the entry from these records "
+                                                      "(e.g. shards joined by `kokoro-parity merge`)")
     p.set_defaults(fn=cmd_nightly)
     p = sub.add_parser("dashboard", help="build the static HTML dashboard of the history")
     p.add_argument("--report-dir", default="reports", type=Path)

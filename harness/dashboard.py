@@ -59,7 +59,11 @@ METRIC_ROWS = ("rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "floor_max_ab
                "nan_rate", "inf_rate", "new_nonfinite", "ref_peak")
 KNOWN_FIELDS = {"case", "step", "backend", "mode", "verdict", "reason", "metrics", "rewrite_drift", "patch_drift",
                 "patches", "semantic_patches", "audit", "timings", "cache", "peak_rss_mb", "artifact_bytes", "model",
-                "versions", "log", "audio", "schema", "bisect", "repro_dir"}
+                "versions", "log", "audio", "schema", "bisect", "repro_dir", "audio_metrics", "durations"}
+AUDIO_ROWS = (("pesq", "PESQ (1–4.64)"), ("mcd_db", "MCD (dB)"), ("logmel_corr", "log-mel correlation"),
+              ("logmel_mad_db", "log-mel MAD (dB)"), ("mrstft", "multi-resolution STFT distance"),
+              ("rms_ratio_db", "RMS ratio (dB)"), ("snr_db", "SNR (dB)"), ("length_ratio", "length ratio"),
+              ("duration_s", "duration (s)"))
 SERIES_COLORS = ("#2563eb", "#ea580c", "#059669", "#9333ea", "#db2777", "#0891b2", "#65a30d", "#b45309")
 
 
@@ -274,15 +278,33 @@ def trend_figure(runs: list[Run], step: str, backend: str, regs_by_run: dict[str
     fig.add_trace(go.Scatter(x=reg_x, y=ys_per_metric[0][-1], name="regression", mode="markers",
                              marker=dict(size=18, symbol="circle-open", color="#d1242f", line=dict(width=3)),
                              text=reg_text, hovertemplate="%{text}<extra>regression</extra>"))
+    ranges = [_y_range([y for ys in ys_per_metric[k] for y in ys], axis) for k, (*_, axis) in enumerate(TREND_METRICS)]
     buttons = [dict(label=label, method="update",
-                    args=[{"y": ys_per_metric[k]}, {"yaxis.type": axis, "yaxis.title.text": label}])
+                    args=[{"y": ys_per_metric[k]}, {"yaxis.type": axis, "yaxis.title.text": label,
+                                                    "yaxis.range": ranges[k], "yaxis.autorange": ranges[k] is None}])
                for k, (_, label, _, axis) in enumerate(TREND_METRICS)]
-    fig.update_layout(**_layout(updatemenus=[dict(buttons=buttons, x=1, xanchor="right", y=1.02, yanchor="bottom",
+    fig.update_layout(**_layout(updatemenus=[dict(buttons=buttons, x=0, xanchor="left", y=1.02, yanchor="bottom",
                                                   showactive=True, bgcolor="#ffffff")],
-                                margin=dict(l=60, r=20, t=40, b=40)))
-    fig.update_yaxes(type=TREND_METRICS[0][3], title_text=TREND_METRICS[0][1], exponentformat="e")
+                                margin=dict(l=60, r=20, t=44, b=40)))
+    fig.update_yaxes(type=TREND_METRICS[0][3], title_text=TREND_METRICS[0][1],
+                     range=ranges[0], autorange=ranges[0] is None)
     fig.update_xaxes(type="category")
     return _html(fig, div_id, height)
+
+
+def _y_range(values: list[float | None], axis: str) -> list[float] | None:
+    """A y range that does not zoom into float noise: a flat line stays a flat line (log axes span
+    at least a decade, linear ones at least 10 % of the value)."""
+    v = [x for x in values if x is not None and (axis != "log" or x > 0)]
+    if not v:
+        return None
+    lo, hi = min(v), max(v)
+    if axis == "log":
+        lo, hi = math.log10(lo), math.log10(hi)
+        pad = max(0.5 - (hi - lo) / 2, 0.1)
+        return [lo - pad, hi + pad]
+    pad = max((hi - lo) * 0.1, abs(hi) * 0.05, 1e-12)
+    return [lo - pad, hi + pad]
 
 
 def overview_figure(runs: list[Run], div_id: str) -> str:
@@ -400,7 +422,7 @@ def _env():
     env.filters["bytes"] = fmt_bytes
     env.filters["json"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
     env.globals.update(VERDICT_COLORS=VERDICT_COLORS, VERDICT_INK=VERDICT_INK, NOT_RUN_COLOR=NOT_RUN_COLOR,
-                       METRIC_ROWS=METRIC_ROWS)
+                       METRIC_ROWS=METRIC_ROWS, AUDIO_ROWS=AUDIO_ROWS)
     return env
 
 
@@ -442,9 +464,18 @@ def _audio(rec: dict[str, Any], report_dir: Path, item_dir: Path, site_dir: Path
 
 
 def _link(path: str, report_dir: Path, page_dir: Path) -> str:
-    """A record's path (relative to the report dir, or absolute) as a link from a page."""
+    """A record's path (absolute, relative to the report dir, or to where the run was started) as a
+    link from a page."""
     p = Path(path)
-    return os.path.relpath((p if p.is_absolute() else report_dir / p).resolve(), page_dir.resolve())
+    candidates = [p] if p.is_absolute() else [report_dir / p, Path.cwd() / p]
+    target = next((c for c in candidates if c.exists()), candidates[0])
+    return os.path.relpath(target.resolve(), page_dir.resolve())
+
+
+def repro_path(rec: dict[str, Any]) -> str | None:
+    """The repro bundle of a record: `repro_dir`, or the one harness.bisect wrote."""
+    bisect = rec.get("bisect") or {}
+    return rec.get("repro_dir") or ((bisect.get("repro") or {}).get("path") if isinstance(bisect, dict) else None)
 
 
 def build_dashboard(history_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -525,7 +556,8 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
                    trend=trend_figure(runs, rec["step"], rec["backend"], regs_by_run, "item-trend-plot", only_item=iid,
                                       height=300) if len(runs) > 1 else None,
                    audio=_audio(rec, report_dir, item_dir, site),
-                   repro_link=_link(rec["repro_dir"], report_dir, items_dir) if rec.get("repro_dir") else None,
+                   repro=repro_path(rec), repro_link=_link(repro_path(rec), report_dir, items_dir)
+                   if repro_path(rec) else None,
                    extra=extra, history_rows=[(lbl, run.by_item().get(iid)) for lbl, run in
                                               zip(_labels(runs), runs) if iid in run.by_item()][::-1])
 

@@ -1,10 +1,13 @@
 """The `e2e` item: tokens to audio the way working ports run Kokoro.
 
 Kokoro cannot be exported whole (the alignment's shape depends on the predicted durations), so
-ports run two programs: a *duration stage* (bert .. duration; exact tokens in dynamic mode, the
-token bucket in static mode), the alignment built on the host from *its* durations, and a
-*synthesizer* (f0n, text_encoder, decoder) compiled per frame bucket: the smallest bucket that
-fits is chosen, its inputs padded, and the padding trimmed from the audio. A duration that rounds
+ports run two programs: a *duration stage* (bert .. duration), the alignment built on the host
+from *its* durations, and a *synthesizer* (f0n, text_encoder, decoder). In `static` mode this is
+the bucketed pipeline of the ports: the token bucket, and a synthesizer compiled per frame bucket
+(the smallest of SYNTH_BUCKETS that fits, inputs padded, padding trimmed from the audio). In
+`dynamic` mode both programs get the exact lengths, so the item measures the backend alone:
+Kokoro's synthesizer is not padding-invariant (its InstanceNorms average over the bucket), and
+the static item's error includes that rewrite. A duration that rounds
 differently changes the audio's length and everything after it, so when the backend's durations
 differ from the reference's, the synthesizer also runs with the reference durations forced, and
 that audio is judged (the unforced one is reported beside it).
@@ -15,7 +18,7 @@ import torch
 
 from .metrics.audio import audio_metrics, write_wav
 from .metrics.tensor import compare_to_floor
-from .model import SAMPLES_PER_FRAME
+from .model import SAMPLE_RATE, SAMPLES_PER_FRAME
 from .record import Record
 from .reference import SYNTH_BUCKETS, pad_inputs, synthesizer_reference
 from .steps import get_step
@@ -58,7 +61,7 @@ def run_e2e(session, backend, item, patches: list[str], rec: Record) -> Record:
 
     def synthesize(pred_dur: torch.Tensor, role: str) -> torch.Tensor | None:
         frames = int(pred_dur.sum())
-        bucket = pick_bucket(frames)
+        bucket = frames if item.mode == "dynamic" else pick_bucket(frames)
         rec.durations[f"bucket_{role}"] = bucket
         inputs = {"d": d, "aln": alignment(pred_dur, d.shape[1], bucket), "input_ids": tokens["input_ids"],
                   "input_lengths": tokens["input_lengths"], "text_mask": tokens["text_mask"],
@@ -82,7 +85,8 @@ def run_e2e(session, backend, item, patches: list[str], rec: Record) -> Record:
     ref = synthesizer_reference(session.model, case, traces, variant)
     ref32, ref64 = ref["float32"], ref["float64"]
     rec.metrics["audio"] = compare_to_floor(forced, ref32, ref64)
-    rec.audio_metrics["audio"] = audio_metrics(ref64[0].numpy(), forced[0].numpy())
+    rec.audio_metrics["audio"] = {**audio_metrics(ref64[0].numpy(), forced[0].numpy()),
+                                  "duration_s": forced.shape[-1] / SAMPLE_RATE}
     if differ:
         rec.audio_metrics["audio_unforced"] = audio_metrics(ref64[0].numpy(), audio[0].numpy())
     for role, wav in (("reference", ref32), ("backend", audio), ("backend-forced", forced if differ else None)):

@@ -262,7 +262,7 @@ def compare(baseline: dict[str, tuple[str, dict[str, Any]]], records: Iterable[d
             out.append(Regression(iid, "coverage", "verdict", before, f"skipped ({rec.get('reason', '')})", prev_run,
                                   note))
             continue
-        if RANK[after] > RANK[before]:
+        if RANK.get(after, 2) > RANK.get(before, 2):  # a verdict added later counts as an error
             out.append(Regression(iid, "verdict", "verdict", before, after, prev_run, note))
         for output, m in rec.get("metrics", {}).items():
             pm = prev.get("metrics", {}).get(output)
@@ -465,11 +465,41 @@ def nightly(session, items: list, history_dir: str | os.PathLike, *, junit_path:
         run.finished, run.duration_s = utc_now(), round(time.monotonic() - start, 3)
         write_run(history_dir, run)
         raise
+    return _finish(run, earlier, history_dir, junit_path, factor, time.monotonic() - start)
+
+
+def record_run(records_dir: str | os.PathLike, history_dir: str | os.PathLike, *,
+               junit_path: str | os.PathLike | None = None, factor: float = DEFAULT_FACTOR,
+               selection: dict[str, Any] | None = None, profile=None) -> NightlyResult:
+    """A history entry from records that are already written (e.g. shards joined by
+    `kokoro-parity merge`), compared and reported exactly like a nightly run."""
+    from .verdict import Profile
+
+    history_dir = Path(history_dir)
+    records = []
+    for path in sorted(Path(records_dir).glob("*.json")):
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+            _check_record(rec, len(records))
+        except (OSError, json.JSONDecodeError, HistoryError) as e:
+            raise HistoryError(f"{path}: {e}") from None
+        records.append(rec)
+    if not records:
+        raise HistoryError(f"no records in {records_dir}")
+    earlier = load_history(history_dir)
+    run = new_run(history_dir, selection or {}, sorted({r["backend"] for r in records}))
+    run.records = records
+    run.selection.update(items=len(records), from_records=str(records_dir),
+                         tolerances=profile_dict(profile or Profile.load()))
+    return _finish(run, earlier, history_dir, junit_path, factor, 0.0)
+
+
+def _finish(run: Run, earlier: History, history_dir: Path, junit_path, factor: float, seconds: float) -> NightlyResult:
     baseline = earlier.baseline(len(earlier.runs))
     regressions = compare(baseline, run.records, factor)
     run.regressions = [r.to_dict() for r in regressions]
     run.complete, run.finished = True, utc_now()
-    run.duration_s = round(time.monotonic() - start, 3)
+    run.duration_s = round(seconds, 3)
     run.selection["factor"] = factor
     path = write_run(history_dir, run)
     if junit_path is not None:

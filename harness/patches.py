@@ -28,8 +28,8 @@ class Patch:
 
 
 PATCHES: dict[str, Patch] = {}
-LSTM_STEPS = ("duration_encoder", "duration", "f0n", "text_encoder")
-VOCODER_STEPS = ("decoder", "generator")
+LSTM_STEPS = ("duration_encoder", "duration", "f0n", "text_encoder", "duration_stage", "synthesizer")
+VOCODER_STEPS = ("decoder", "generator", "synthesizer")  # the e2e stages contain the steps they join
 
 
 def patch(name: str, preserves_semantics: bool, why: str, affects: tuple[str, ...] | None = None):
@@ -254,8 +254,13 @@ def _custom_stft(model: nn.Module) -> None:
 
 
 def to_float64(model: nn.Module) -> nn.Module:
-    """`.double()` plus the float32 tensors kokoro keeps outside buffers (TorchSTFT's window)."""
+    """`.double()` plus what kokoro keeps in float32 outside its parameters: TorchSTFT's window,
+    and the `torch.zeros` (float32) that TextEncoder/DurationEncoder pad into, which would round
+    the float64 reference back to float32. Their rewritten forwards (with packing, tested equal
+    to kokoro's) allocate nothing."""
     model = model.double()
+    if not hasattr(model, "_parity_run_lstm"):
+        set_lstm_strategy(model, run_packed)
     for m in model.modules():
         if isinstance(getattr(m, "window", None), torch.Tensor):
             m.window = m.window.double()

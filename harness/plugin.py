@@ -28,6 +28,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--profile", default=None, help="tolerance profile YAML (default: harness/tolerances.yaml)")
     g.addoption("--with-patch", action="append", default=[], dest="with_patch",
                 help="add a patch to every backend's own (repeatable), e.g. length_aware_lstm")
+    g.addoption("--bisect", action="store_true",
+                help="after a failing item, localize the first diverging module and op on the backend and "
+                     "write a standalone repro to <report-dir>/repro/<item>/ (see harness/bisect.py)")
+    g.addoption("--bisect-depth", type=int, default=2,
+                help="module levels below the step's module tried alone before the op bisection (0: none)")
+    g.addoption("--shard", default=None, metavar="K/N",
+                help="run the K-th of N shards (1-based); items that share a compile stay together. "
+                     "Join the shards' report dirs with `kokoro-parity merge`.")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `pytest -n N`, distribute by group (items that share a compile stay on one worker)."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") in ("no", "load"):
+        config.option.dist = "loadgroup"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or a plain run) starts afresh
+        for p in (Path(session.config.getoption("--report-dir")) / "counts").glob("*.json"):
+            p.unlink()
 
 
 def _session(config: pytest.Config):
@@ -68,10 +89,48 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("golden_key", keys, ids=[f"{c}-{m}-golden" for c, m in keys])
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark parity items; group those that share a program (xdist `--dist loadgroup` keeps a group
+    on one worker, so nothing compiles twice); keep only this shard's groups with --shard."""
+    groups = {}
     for item in items:
-        if "parity_item" in getattr(item, "fixturenames", ()) or "golden_key" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.parity)
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            continue
+        if "parity_item" in callspec.params:
+            groups[item.nodeid] = _group(config, callspec.params["parity_item"])
+        elif "golden_key" in callspec.params:
+            groups[item.nodeid] = f"golden:{callspec.params['golden_key'][0]}"
+        else:
+            continue
+        item.add_marker(pytest.mark.parity)
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    shard = config.getoption("--shard")
+    if shard:
+        k, n = _parse_shard(shard)
+        order = sorted(set(groups.values()))
+        mine = {g for i, g in enumerate(order) if i % n == k - 1}
+        keep = [it for it in items if groups.get(it.nodeid) in mine]
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep
+
+
+def _group(config: pytest.Config, item) -> str:
+    """Items that share an exported program: same step, mode and shapes (the bucket when static)."""
+    if item.mode == "dynamic" or item.step == "e2e":
+        return f"{item.step}:{item.mode}:{item.case}"
+    bucket = _session(config).cases[item.case].bucket
+    return f"{item.step}:{item.mode}:{bucket.tokens}x{bucket.frames}"
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {text!r}: expected K/N, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard {text!r}: K must be between 1 and N")
+    return k, n
 
 
 @pytest.fixture
@@ -89,6 +148,11 @@ def check_parity(request: pytest.FixtureRequest):
         request.config._parity_records.append(rec)
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
+        if rec.verdict is not Verdict.PASS and request.config.getoption("--bisect"):
+            from .bisect import BISECTABLE, bisect_item
+
+            if rec.verdict.value in BISECTABLE:  # fills rec.bisect and rewrites the record
+                bisect_item(_session(request.config), item, rec, depth=request.config.getoption("--bisect-depth"))
         if rec.verdict is not Verdict.PASS:
             pytest.fail(item_table(rec), pytrace=False)
         return rec
@@ -118,18 +182,53 @@ def check_golden(request: pytest.FixtureRequest):
     return check
 
 
+def pytest_runtest_logreport(report) -> None:
+    """Remember which parity items ran (under xdist the records live in the workers)."""
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        if "[" in report.nodeid and "test_parity[" in report.nodeid:
+            _RAN.add(report.nodeid.split("[", 1)[1].rstrip("]"))
+
+
+_RAN: set[str] = set()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Each process writes its work counts, so that the controller (xdist) can add them up."""
+    s = getattr(session.config, "_parity_session", None)
+    if s is not None and s.counts:
+        from .files import atomic_write_json
+
+        worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
+        atomic_write_json(s.report_dir / "counts" / f"{worker}.json", dict(s.counts))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    records = getattr(config, "_parity_records", None)
-    session = getattr(config, "_parity_session", None)
-    if not records or session is None:
+    if not _RAN:
         return
+    session = _session(config)
+    records = getattr(config, "_parity_records", None)
+    if not records:  # xdist controller: read what the workers wrote
+        from .record import read_records
+
+        records = [r for r in read_records(session.report_dir / "records") if r.item_id in _RAN]
     from .report import summary_table
 
     tr = terminalreporter
     tr.section("kokoro-parity summary")
     tr.write_line(summary_table(records))
-    c = session.counts
+    c = _counts(session)
     tr.write_line(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}; cache: "
                   f"programs {c['programs_hits']} hit / {c['programs_misses']} miss, "
                   f"artifacts {c['artifacts_hits']} hit / {c['artifacts_misses']} miss")
     tr.write_line(f"records: {session.report_dir / 'records'}")
+
+
+def _counts(session):
+    from collections import Counter
+    import json
+
+    total = Counter(session.counts)
+    if not total:
+        for p in (session.report_dir / "counts").glob("*.json"):
+            total.update(json.loads(p.read_text()))
+    return total

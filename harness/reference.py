@@ -26,7 +26,7 @@ MODES = ("dynamic", "static")
 DTYPES = ("float32", "float64")
 REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
                      "static": ("noise_as_input", "dropout_identity", "no_packing")}
-TRACE_VERSION = 3
+TRACE_VERSION = 4
 SYNTH_BUCKETS = (120, 200, 400, 1200, 1600)  # synthesizer frame buckets: 3, 5, 10, 30 and 40 s of audio
 
 

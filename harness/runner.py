@@ -225,13 +225,15 @@ class Session:
     def _audio_metrics(self, item: Item, traces, outputs: dict, reference: dict) -> dict:
         """PESQ, MCD and friends for outputs along `samples` (valid region, against float64)."""
         from .metrics.audio import audio_metrics
+        from .model import SAMPLE_RATE
         from .steps import get_step
 
         out = {}
         for t in get_step(item.step).outputs:
             if "samples" in t.axes.values():
                 v = lambda x: traces.valid_region(item.step, t.name, x)[0].double().numpy()  # noqa: E731
-                out[t.name] = audio_metrics(v(reference[t.name]), v(outputs[t.name]))
+                ref = v(reference[t.name])
+                out[t.name] = {**audio_metrics(ref, v(outputs[t.name])), "duration_s": len(ref) / SAMPLE_RATE}
         return out
 
     # -- listenable audio for the dashboard (issue 6) ---------------------------------------

@@ -13,6 +13,8 @@ from pathlib import Path
 from . import Backend
 from .tvm import COMMON_PATCHES
 
+CORE_ML_PATCHES = ("stft_phase_where",)  # harness.backend_patches: `&` has no MIL lowering
+
 
 def _inference_ir(program):
     """coremltools takes the ATen inference IR: run_decompositions with an empty table."""
@@ -39,7 +41,7 @@ def mil_gaps(program) -> dict:
 
 class _CoreMLBackend(Backend):
     requires = ("coremltools",)
-    patches = COMMON_PATCHES
+    patches = COMMON_PATCHES + CORE_ML_PATCHES
     artifact_name = "model.mlpackage"
     precision = "FLOAT32"
     compute_units = "CPU_ONLY"  # fp16 runs on ALL: Core ML's CPU computes fp16 models in fp32

@@ -34,13 +34,13 @@ def parse_fault(text: str | None) -> dict | None:
 
 
 def insert_fault(program, fault: dict):
-    """Corrupt the output of the node named fault['node'] (or of every float node whose op is
-    fault['op']) and re-export; node names are kept by torch.export. Uses only torch, so a repro
-    bundle can carry this function as its 'backend bug'."""
+    """Corrupt, in place, the output of the node named fault['node'] (or of every float node whose
+    op is fault['op']) in the program's graph; the program stays a valid ExportedProgram (no
+    re-export: quick, and the names stay). Uses only torch, so a repro bundle can carry this
+    function as its 'backend bug'."""
     import torch
 
-    gm = program.module()
-    graph = gm.graph
+    graph = program.graph_module.graph
 
     def chosen(n):
         val = n.meta.get("val")
@@ -48,34 +48,33 @@ def insert_fault(program, fault: dict):
                 and (n.name == fault.get("node") or str(n.target) == fault.get("op")))
 
     targets = [n for n in graph.nodes if chosen(n)]
-    if not targets:
-        return program
     aten = torch.ops.aten
+    renamed = {}
     for n in targets:
+        kind = fault["kind"]
         with graph.inserting_after(n):
-            kind = fault["kind"]
             if kind == "nan":
                 bad = graph.call_function(aten.mul.Tensor, (n, float("nan")))
             elif kind == "scale":
                 bad = graph.call_function(aten.mul.Tensor, (n, float(fault.get("factor", 1.01))))
             elif kind == "sign":
                 bad = graph.call_function(aten.neg.default, (n,))
-            elif kind == "shift":
+            else:  # shift, jitter
                 bad = graph.call_function(aten.roll.default, (n, [1], [-1]))
-            else:  # jitter
-                rolled = graph.call_function(aten.roll.default, (n, [1], [-1]))
         if kind == "jitter":
-            with graph.inserting_after(rolled):
-                bad = graph.call_function(aten.add.Tensor, (n, rolled), {"alpha": float(fault.get("factor", 1e-5))})
+            with graph.inserting_after(bad):
+                bad = graph.call_function(aten.add.Tensor, (n, bad), {"alpha": float(fault.get("factor", 1e-5))})
+        for new in (bad, *bad.all_input_nodes):
+            if new is not n:
+                new.meta["val"] = n.meta["val"]  # same shape and dtype
         mine = {bad, *bad.all_input_nodes} - {n}
         n.replace_all_uses_with(bad, delete_user_cb=lambda user, mine=mine: user not in mine)
-    gm.recompile()
-    if program.example_inputs is not None:
-        args = tuple(program.example_inputs[0])
-    else:
-        args = tuple(torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype)
-                     for p in graph.nodes if p.op == "placeholder")
-    return torch.export.export(gm, args, strict=False)
+        renamed[n.name] = bad.name
+    for spec in program.graph_signature.output_specs:  # a corrupted program output
+        if getattr(spec.arg, "name", None) in renamed:
+            spec.arg.name = renamed[spec.arg.name]
+    program.graph_module.recompile()
+    return program
 
 
 class _Faulty(Backend):
@@ -98,7 +97,8 @@ class _Faulty(Backend):
             return self._base.compile(program_path, out_dir)
         with tempfile.TemporaryDirectory() as tmp:
             faulty = Path(tmp) / "program.pt2"
-            torch.export.save(insert_fault(torch.export.load(str(program_path)), fault), str(faulty))
+            program = insert_fault(torch.export.load(str(program_path)), fault)
+            torch.export.save(program, str(faulty))
             audit = self._base.compile(faulty, out_dir)
         return {**(audit or {}), "injected_fault": fault}
 

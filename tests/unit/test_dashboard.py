@@ -77,8 +77,16 @@ def test_errors_skips_bisection_and_repro_bundles_render(tmp_path: Path):
     recs[1].update(verdict="skipped", reason="package(s) not installed: coremltools", metrics={})
     recs[2].update(verdict="compile_error", reason="XNNPACK: unsupported op aten.foo", metrics={})
     (reports / "repro" / "bundle").mkdir(parents=True)
-    recs[3]["bisect"] = {"first_bad_module": "decoder.generator.ups.1", "steps": 7}
-    recs[3]["repro_dir"] = "repro/bundle"
+    recs[3]["bisect"] = {  # the shape harness.bisect writes
+        "status": "localized", "message": "first diverging op convolution_7 (aten.convolution.default, local)",
+        "first_module": "decoder.generator.ups.1",
+        "first_op": {"node": "convolution_7", "op": "aten.convolution.default", "module": "decoder.generator.ups.1",
+                     "source": "torch/nn/modules/conv.py:1160", "kind": "local", "why": "rel_l2 0.3",
+                     "after": {"rel_l2": 0.3, "floor_ratio": 5e4}},
+        "modules": [{"module": "decoder.generator.ups.1", "type": "ConvTranspose1d", "status": "fail", "n_ops": 1,
+                     "rel_l2": 0.3, "floor_ratio": 5e4}],
+        "repro": {"path": str(reports / "repro" / "bundle"), "bytes": 2048, "n_ops": 1, "reproduces": True}}
+    recs[4]["repro_dir"] = "repro/bundle"  # a plain field, relative to the report dir
     path.write_text(json.dumps(run))
     (reports / "history" / "20000101T000000Z-garbage.json").write_text("{not json")
     site = build_dashboard(reports / "history", reports / "dashboard", report_dir=reports)
@@ -88,11 +96,14 @@ def test_errors_skips_bisection_and_repro_bundles_render(tmp_path: Path):
         cell = re.search(rf'<td class="cell v-(\w+)" data-item="{iid}".*?</td>', index, re.S)
         assert cell and cell.group(1) == rec["verdict"] and text in cell.group(0)
     assert "20000101T000000Z-garbage.json" in index and "could not be read" in index
+    for rec in recs[3:5]:
+        iid = f"{rec['case']}-{rec['step']}-{rec['backend']}-{rec['mode']}"
+        item = (site / "items" / f"{iid}.html").read_text()
+        href = re.search(r'id="repro-link" href="([^"]+)"', item).group(1)
+        assert (site / "items" / href).resolve() == (reports / "repro" / "bundle").resolve()
     iid = f"{recs[3]['case']}-{recs[3]['step']}-{recs[3]['backend']}-{recs[3]['mode']}"
     item = (site / "items" / f"{iid}.html").read_text()
-    assert "decoder.generator.ups.1" in item
-    href = re.search(r'id="repro-link" href="([^"]+)"', item).group(1)
-    assert (site / "items" / href).resolve() == (reports / "repro" / "bundle").resolve()
+    assert "convolution_7" in item and "ConvTranspose1d" in item and "reproduces when run alone" in item
 
 
 # ----------------------------------------------------------------------------- in Chromium
@@ -171,6 +182,15 @@ def test_trend_plots_render_with_regressions_marked(site: Path, page):
     assert "regression" in decoder.inner_text()
     rings = decoder.locator("g.trace.scatter").last.locator("path.point")
     assert rings.count() > 0  # the regressed points of the strict run
+    # the menu switches the metric: the y values become the records' relative L2 errors
+    plot = decoder.locator(".js-plotly-plot")
+    decoder.locator(".updatemenu-header-group").click()
+    decoder.locator(".updatemenu-item-text", has_text="relative L2").click()
+    page.wait_for_function("e => e.layout.yaxis.title.text.startsWith('relative L2')", arg=plot.element_handle())
+    name = plot.evaluate("e => e.data[0].name")  # "<case> · <mode>"
+    case, mode = name.split(" · ")
+    want = [max(m["rel_l2"] for m in run.by_item()[f"{case}-decoder-eager-{mode}"]["metrics"].values()) for run in runs]
+    assert plot.evaluate("e => e.data[0].y") == pytest.approx(want)
     page.screenshot(path=str(_artifact("dashboard-trends-screenshot.png")), full_page=True)
     assert page.errors == []
 

@@ -139,6 +139,14 @@ def test_verdict_order(before: str, after: str, kind: str | None):
     assert [g.kind for g in regs] == ([kind] if kind else [])
 
 
+def test_every_verdict_has_a_rank_and_a_colour():
+    """A verdict added to harness.verdict must be placed in the order (and get a cell colour)."""
+    from harness.dashboard import VERDICT_COLORS
+    from harness.history import RANK
+
+    assert set(RANK) | {"skipped"} == {v.value for v in Verdict} == set(VERDICT_COLORS)
+
+
 def test_the_factor_must_be_above_one():
     with pytest.raises(ValueError, match="factor"):
         compare({}, [], factor=1.0)
@@ -186,3 +194,22 @@ def test_history_of_an_empty_or_missing_directory(tmp_path: Path):
     assert load_history(tmp_path / "nope") == History([], [])
     assert Verdict.PASS.value in {r["verdict"] for r in load_history(FIXTURE / "history").runs[0].records}
     assert isinstance(load_history(FIXTURE / "history").latest, Run)
+
+
+def test_an_entry_from_records_already_written(history_dir: Path, tmp_path: Path):
+    """`nightly --from-records` (shards joined by `kokoro-parity merge`): the same entry, no run."""
+    from harness.history import HistoryError, record_run
+
+    first = load_history(history_dir).runs[0]
+    records = tmp_path / "records"
+    for d in first.records:
+        Record.from_dict(d).write(records)
+    result = record_run(records, history_dir, junit_path=tmp_path / "junit.xml")
+    h = load_history(history_dir)
+    assert len(h.runs) == 4 and h.latest.id == result.run.id and h.latest.complete
+    assert sorted(map(json.dumps, h.latest.records)) == sorted(map(json.dumps, first.records))
+    # after the strict run, the default profile's verdicts are back to pass: no regression
+    assert result.regressions == [] and (tmp_path / "junit.xml").is_file()
+    (records / "broken.json").write_text("{")
+    with pytest.raises(HistoryError, match="broken.json"):
+        record_run(records, history_dir)

@@ -28,6 +28,10 @@ def test_token_steps_dynamic_and_static(random_model):
     static = tr.valid_region("duration_encoder", "d", tr.outputs("duration_encoder", "static")["d"])
     assert static.shape == out32.shape and float((static - out32.float()).abs().max()) > 1e-4
     assert len(tr.pred_dur) == n and all(d >= 1 for d in tr.pred_dur)
+    # kokoro pads into float32 zeros: the float64 references must not be rounded back to float32
+    for (step, mode, dtype), (_, outputs) in tr.io.items():
+        if dtype == "float64":
+            assert all(t.dtype == torch.float64 for t in outputs.values()), (step, mode)
 
 
 def test_capture_submodules_by_path(random_model):

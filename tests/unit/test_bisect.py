@@ -1,0 +1,299 @@
+"""Bisection against known answers: a real backend (eager, one test on XNNPACK) with one node
+corrupted (tests/unit/faulty_backend.py) must be localized to exactly that node, at several depths
+of the decoder and of the duration encoder; a clean backend must not be; and the repro bundle must
+reproduce the fault when run alone, without this repository on the path.
+
+Programs are the random-weight model's steps at small shapes, exported once per module. Every
+probe is a real compile and run in child processes (about 5-10 s each), hence the slow marks."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.backends import EXTRA_ENV
+from harness.backends.eager import EagerBackend
+from harness.bisect import Bisector, StepGraph, evaluate, format_bisect, module_path, restore_names
+from harness.verdict import Tolerance
+
+from .faulty_backend import FAULT_ENV, insert_fault
+
+REPO = Path(__file__).resolve().parents[2]
+FAULTY = "faulty-eager=tests.unit.faulty_backend:FaultyEager,faulty-xnnpack=tests.unit.faulty_backend:FaultyXnnpack"
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory, random_model):
+    """The duration encoder (16 tokens) and the decoder (12 frames) of the random model, exported
+    with the eager backend's patches, with their inputs."""
+    from harness.patches import sample_noise
+    from harness.programs import export_step
+
+    root = tmp_path_factory.mktemp("programs")
+    g = torch.Generator().manual_seed(2)
+    tokens, frames = 16, 12
+    f0 = 150 + 50 * torch.rand(1, 2 * frames, generator=g)
+    f0[:, :4] = 0
+    noise = sample_noise(0, 600 * frames)
+    steps = {
+        "duration_encoder": [torch.randn(1, 512, tokens, generator=g), torch.randn(1, 128, generator=g),
+                             torch.tensor([tokens]), torch.zeros(1, tokens, dtype=torch.bool)],
+        "decoder": [torch.randn(1, 512, frames, generator=g), f0, torch.randn(1, 2 * frames, generator=g),
+                    torch.randn(1, 128, generator=g), noise["rand_ini"], noise["sine_noise"], noise["source_noise"]],
+    }
+    out = {}
+    for step, inputs in steps.items():
+        torch.save(inputs, root / f"{step}.inputs.pt")
+        export_step("random:0", random_model.digest, step, list(EagerBackend.patches), str(root / f"{step}.inputs.pt"),
+                    str(root / f"{step}.pt2"))
+        out[step] = (root / f"{step}.pt2", inputs)
+    return out
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    """A fresh cache, the test backends registered, the repository importable by the job children."""
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(EXTRA_ENV, FAULTY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    return monkeypatch
+
+
+def pick(program_path, inputs, module: str, op: str, last: bool = False) -> str:
+    """The name of the first (or last) node of `op` whose module path is `module`."""
+    graph = StepGraph(program_path, inputs)
+    names = [n.name for n in graph.nodes if n.op == "call_function" and str(n.target) == op and module_path(n) == module]
+    assert names, f"no {op} in {module}"
+    return names[-1 if last else 0]
+
+
+def bisect(env, programs, step, backend, tmp_path, depth=0, fault=None, verify=False):
+    program, inputs = programs[step]
+    if fault:
+        env.setenv(FAULT_ENV, fault)
+    b = Bisector(program, f"test-{step}", inputs, backend, Tolerance(), step, tmp_path / "reports",
+                 f"t-{step}-{backend}", depth=depth)
+    result = b.run(verify=verify)
+    print(format_bisect(result))
+    return result
+
+
+def assert_named(result, node, module, kind="local"):
+    assert result["status"] == "localized", result.get("message")
+    f = result["first_op"]
+    assert (f["node"], f["module"], f["kind"]) == (node, module, kind)
+    assert f["source"].startswith(("kokoro/", "harness/"))  # a patched forward is the harness's
+    # binary search: one probe of the whole region, then at most ceil(log2 N) cuts
+    assert result["bisect_compiles"] <= 1 + math.ceil(math.log2(result["n_nodes"]))
+
+
+def capture_outputs(module, inputs) -> dict:
+    """Each submodule's first output when it returns, cloned (Generator's `xs += ...` mutates
+    resblocks.0's output in place later; harness.reference.capture_submodules keeps a view)."""
+    seen, hooks = {}, []
+    for path, sub in module.named_modules():
+        def hook(m, args, out, path=path):
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(first, torch.Tensor):
+                seen.setdefault(path, first.detach().clone())
+        hooks.append(sub.register_forward_hook(hook))
+    with torch.no_grad():
+        module(*inputs)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+# ---- fast: the pieces ------------------------------------------------------------------------
+
+def test_modules_are_carved_at_their_boundaries(programs, random_model):
+    """A module carved from the graph and fed its captured inputs computes what its forward hook saw."""
+    from harness.patches import apply_patches
+    from harness.steps import get_step
+
+    km = apply_patches(random_model.kmodel, EagerBackend.patches)
+    for step in ("duration_encoder", "decoder"):
+        program, inputs = programs[step]
+        seen = capture_outputs(get_step(step).module(km), inputs)
+        b = Bisector(program, "k", inputs, "eager", Tolerance(), step, Path("unused"), "unused", depth=2)
+        mods = b.modules()
+        assert len(mods) >= (6 if step == "duration_encoder" else 20)
+        for m in mods:
+            gm, names = b.graph.carve(m["outputs"], m["stop"])
+            got = evaluate(gm, b.graph.values32(names), "float32")
+            want = seen[m["path"]]
+            assert any(g.shape == want.shape and torch.allclose(g, want, rtol=1e-5, atol=1e-6) for g in got), m["path"]
+
+
+def test_float64_interpreter_is_the_float64_model(programs, random_model):
+    """The per-node fp64 reference is the model's own fp64 run (LSTM states included)."""
+    from harness.patches import apply_patches, to_float64
+    from harness.steps import get_step
+
+    program, inputs = programs["duration_encoder"]
+    graph = StepGraph(program, inputs)
+    gm, names = graph.carve(graph.outputs)
+    ours = evaluate(gm, [graph.inputs[n] for n in names], "float64")[0]
+    km64 = to_float64(apply_patches(random_model.kmodel, EagerBackend.patches))
+    with torch.no_grad():
+        theirs = get_step("duration_encoder").module(km64)(*[t.double() if t.is_floating_point() else t for t in inputs])
+    assert ours.dtype == torch.float64
+    assert float((ours - theirs).norm() / theirs.norm()) < 1e-12
+
+
+def test_injected_fault_changes_its_node_only(programs):
+    program_path, inputs = programs["duration_encoder"]
+    graph = StepGraph(program_path, inputs)
+    node = pick(program_path, inputs, "predictor.text_encoder.lstms.3", "aten.add.Tensor", last=True)
+    program = torch.export.load(str(program_path))
+    clean = program.module()(*inputs)
+    faulty = insert_fault(program, {"node": node, "kind": "sign"})
+    assert node in {n.name for n in faulty.graph.nodes}
+    assert not torch.allclose(faulty.module()(*inputs), clean)
+    earlier = pick(program_path, inputs, "predictor.text_encoder.lstms.1", "aten.add.Tensor", last=True)
+    gm, names = graph.carve([earlier])  # a prefix without the node: unchanged
+    sub = torch.export.export(gm, tuple(graph.values32(names)))
+    assert restore_names(sub, gm)
+    assert torch.equal(insert_fault(sub, {"node": node, "kind": "sign"}).module()(*graph.values32(names))[0],
+                       sub.module()(*graph.values32(names))[0])
+
+
+def test_record_and_report_carry_the_bisection():
+    from harness.record import Record
+    from harness.report import item_table
+    from harness.verdict import Verdict
+
+    b = {"status": "localized", "modules": [], "region": "step decoder", "n_nodes": 1000, "bisect_compiles": 11,
+         "compiles": 12, "compile_hits": 0, "runs": 12, "seconds": 1.0,
+         "first_op": {"node": "conv1d_3", "op": "aten.conv1d.default", "module": "decoder.encode.conv2",
+                      "source": "kokoro/istftnet.py:379 in forward: out = self._residual(x, s)", "kind": "local",
+                      "why": "conv1d_3: rel_l2 1e-2 > ...", "after": {"rel_l2": 0.01, "floor_ratio": 5e4},
+                      "before": {"x": "exact (reference input)"}, "local": {"status": "fail"}}}
+    rec = Record("c", "decoder", "xnnpack", "static", Verdict.FAIL, bisect=b)
+    assert Record.from_dict(json.loads(json.dumps(rec.to_dict()))).bisect == b
+    text = item_table(rec)
+    assert "first diverging op `conv1d_3` (aten.conv1d.default, LOCAL) in decoder.encode.conv2" in text
+    assert "kokoro/istftnet.py:379" in text and "11 probes for 1000 float nodes" in text
+
+
+# ---- slow: real bisections ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_clean_backend_localizes_nothing(programs, env, tmp_path):
+    """~60 s: every module alone and the whole step pass, so there is nothing to name or bundle."""
+    result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth=1)
+    assert result["status"] == "not_localized"
+    assert result["first_module"] is None and len(result["modules"]) == 6
+    assert all(r["status"] == "pass" for r in result["modules"])
+    assert not (tmp_path / "reports" / "repro").exists()
+
+
+DURATION_FAULTS = [  # (module, op, which, kind, depth): early with the module table, late without
+    ("predictor.text_encoder.lstms.1", "aten.add.Tensor", "last", "scale", 1),
+    ("predictor.text_encoder.lstms.4", "aten.lstm.input", "first", "sign", 0),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,op,which,kind,depth", DURATION_FAULTS, ids=["lstms.1-scale", "lstms.4-sign"])
+def test_fault_in_duration_encoder_is_named(programs, env, tmp_path, module, op, which, kind, depth):
+    """~60-100 s each."""
+    node = pick(*programs["duration_encoder"], module, op, last=which == "last")
+    target = node if op != "aten.lstm.input" else None
+    if target is None:  # the LSTM's output is its first getitem
+        graph = StepGraph(*programs["duration_encoder"])
+        target = next(u.name for u in graph.node[node].users if u.args[1] == 0)
+    result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth, f"node={target},kind={kind}")
+    assert_named(result, target, module)
+    if depth:
+        assert result["first_module"] == module
+        assert [r["module"] for r in result["modules"] if r["status"] != "pass"][0] == module
+
+
+# Early, middle and late in the decoder's 1,000 float nodes. With random weights the generator's
+# own fp32 error is ~4 % of the audio (its noise floor), which hides a sign flip or a shift made
+# before it: such an item passes, and there is nothing to localize. NaN always shows; the late
+# sign flip is past the chaotic part.
+DECODER_FAULTS = [
+    ("decoder.encode.conv2", "aten.conv1d.default", "nan"),
+    ("decoder.decode.2.conv1", "aten.conv1d.default", "nan"),
+    ("decoder.generator.conv_post", "aten.conv1d.default", "sign"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,op,kind", DECODER_FAULTS, ids=["encode-nan", "decode.2-nan", "conv_post-sign"])
+def test_fault_in_decoder_is_named(programs, env, tmp_path, module, op, kind):
+    """~2 min each: 1 + ceil(log2 1000) = 11 prefix compiles and 1 of the op alone."""
+    node = pick(*programs["decoder"], module, op)
+    result = bisect(env, programs, "decoder", "faulty-eager", tmp_path, 0, f"node={node},kind={kind}")
+    assert_named(result, node, module)
+    assert result["n_nodes"] > 900
+
+
+@pytest.mark.slow
+def test_accumulated_error_is_told_from_a_local_one(programs, env, tmp_path):
+    """~2 min: a 4e-6 error on every transpose passes op by op and fails only accumulated; the
+    repro is the shortest failing window ending at the named op, and reproduces."""
+    result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, 0,
+                    "op=aten.transpose.int,kind=jitter,factor=4e-6", verify=True)
+    assert result["status"] == "localized"
+    f = result["first_op"]
+    assert f["op"] == "aten.transpose.int" and f["kind"] == "accumulated"
+    assert f["local"]["status"] == "pass"
+    assert result["window"]["n_ops"] > 1 and result["window"]["status"] == "fail"
+    assert result["repro"]["reproduces"], result["repro"]
+
+
+@pytest.mark.slow
+def test_repro_reproduces_alone_in_a_fresh_process(programs, env, tmp_path):
+    """~70 s: the bundle runs from a copy outside the repository with no PYTHONPATH, imports
+    neither kokoro nor this harness, exits 1 with the fault and 0 without it."""
+    node = pick(*programs["duration_encoder"], "predictor.text_encoder.lstms.3", "aten.add.Tensor", last=True)
+    result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, 0, f"node={node},kind=nan", verify=True)
+    repro = result["repro"]
+    assert repro["reproduces"] and repro["n_ops"] == 1
+    bundle = tmp_path / "elsewhere"
+    shutil.copytree(repro["path"], bundle)
+    assert {"repro.py", "program.pt2", "inputs.pt", "expected.pt", "ENV.md", "REPORT.md"} <= set(repro["files"])
+    assert node in (bundle / "REPORT.md").read_text() and "torch" in (bundle / "ENV.md").read_text()
+    imported = {a.name.split(".")[0] for n in ast.walk(ast.parse((bundle / "repro.py").read_text()))
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in getattr(n, "names", [])}
+    imported |= {n.module.split(".")[0] for n in ast.walk(ast.parse((bundle / "repro.py").read_text()))
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= {"math", "sys", "pathlib", "numpy", "torch", "executorch"}, imported
+
+    probe = ("import runpy, sys\nsys.argv = ['repro.py']\ncode = 0\n"
+             "try:\n    runpy.run_path('repro.py', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'harness', 'kokoro', 'tests'}))\n"
+             "sys.exit(code)\n")
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", EXTRA_ENV, FAULT_ENV)}
+    run = lambda: subprocess.run([sys.executable, "-c", probe], cwd=bundle, env=clean_env,  # noqa: E731
+                                 capture_output=True, text=True, timeout=300)
+    p = run()
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "REPRODUCED" in p.stdout and "LOADED []" in p.stdout
+    text = (bundle / "repro.py").read_text()
+    (bundle / "repro.py").write_text(text.replace("\nFAULT = {", "\nFAULT = None and {"))  # the 'fix'
+    p = run()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "not reproduced" in p.stdout and "LOADED []" in p.stdout
+
+
+@pytest.mark.slow
+def test_fault_on_xnnpack_is_named(programs, env, tmp_path):
+    """The same localization through ExecuTorch+XNNPACK lowering (duration encoder, no module table)."""
+    pytest.importorskip("executorch")
+    node = pick(*programs["duration_encoder"], "predictor.text_encoder.lstms.3", "aten.add.Tensor", last=True)
+    result = bisect(env, programs, "duration_encoder", "faulty-xnnpack", tmp_path, 0, f"node={node},kind=sign", verify=True)
+    assert_named(result, node, "predictor.text_encoder.lstms.3")
+    assert result["repro"]["reproduces"], result["repro"]

@@ -1,0 +1,64 @@
+"""Sharding and parallel runs give the same items and verdicts as a plain run, and a parallel run
+exports each program once (a small matrix: the eager backend on two token steps, both modes)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = ["--backend=eager", "--case=en_short", "-k", "bert_encoder or (bert and not golden)", "-p", "no:logging"]
+
+
+def pytest_run(tmp_path, name, cache, *extra):
+    out = tmp_path / name
+    env = {**os.environ, "KOKORO_PARITY_CACHE": str(cache)}
+    r = subprocess.run([sys.executable, "-m", "pytest", *MATRIX, "--report-dir", str(out), *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=2400, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r.stdout
+
+
+def verdicts(report_dir):
+    return {p.stem: json.loads(p.read_text())["verdict"] for p in (Path(report_dir) / "records").glob("*.json")}
+
+
+def exports(stdout):
+    return int(re.search(r"work: exports (\d+)", stdout).group(1))
+
+
+def shared_cache(path: Path) -> Path:
+    """A fresh program/artifact cache that shares the user cache's weights and traces (content-
+    addressed, so sharing is safe): what is measured here is exporting, not the references."""
+    from harness.cache import cache_dir
+
+    path.mkdir()
+    for kind in ("weights", "traces"):
+        (cache_dir() / kind).mkdir(exist_ok=True)
+        (path / kind).symlink_to(cache_dir() / kind)
+    return path
+
+
+@pytest.mark.slow
+def test_shards_and_workers_match_the_plain_run(tmp_path):
+    cache = shared_cache(tmp_path / "cache")
+    plain, out = pytest_run(tmp_path, "plain", cache)
+    assert len(verdicts(plain)) == 4 and exports(out) == 4
+
+    one, _ = pytest_run(tmp_path, "one", cache, "--shard", "1/2")
+    two, _ = pytest_run(tmp_path, "two", cache, "--shard", "2/2")
+    assert verdicts(one) and verdicts(two) and not set(verdicts(one)) & set(verdicts(two))
+    merged = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "harness.cli", "merge", str(one), str(two), "--out", str(merged)],
+                   cwd=ROOT, check=True, capture_output=True)
+    assert verdicts(merged) == verdicts(plain)
+
+    fresh = shared_cache(tmp_path / "cache2")  # no programs: the workers export everything
+    parallel, out = pytest_run(tmp_path, "parallel", fresh, "-n", "2")
+    assert verdicts(parallel) == verdicts(plain)
+    assert "kokoro-parity summary" in out and exports(out) == 4  # each program exported once
