@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], Any]) -> Path:
     """Call `write(f)` on a temporary file beside `path`, then rename it over `path`."""
     path = Path(path)
@@ -24,6 +28,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], A
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -215,7 +215,7 @@ def test_fp16_reports_activations_over_the_float16_limit(tmp_path):
     (out,) = b.run(tmp_path / b.artifact_name, [x])
     audit = b.run_audit
     assert audit["fp16_max"] == 65504.0
-    assert audit["modules_over_fp16_max"] == ["big"]
+    assert "big" in audit["modules_over_fp16_max"] and "quiet" not in audit["modules_over_fp16_max"]
     assert audit["largest_activation"] > 65504.0
     assert audit["fp16_first_nonfinite"] and "big" in audit["fp16_first_nonfinite"]
     assert not torch.isfinite(out).all()  # and the output shows it: the verdict fails it
@@ -242,7 +242,7 @@ def decode(model, inputs, noise):
         return model.decoder(asr, f0, n, s)
 
 
-@pytest.mark.parametrize("name", ["stft_phase_where", "sine_interp_gather"])
+@pytest.mark.parametrize("name", ["stft_phase_where"])
 def test_frontend_gap_patches_match_eager(random_model, decoder_inputs, name):
     from harness.patches import PATCHES, apply_patches, sample_noise
 
@@ -262,26 +262,8 @@ def test_frontend_gap_patches_match_eager_in_float64(random_model, decoder_input
     noise = {k: v.double() for k, v in sample_noise(3, 600 * decoder_inputs[-1]).items()}
     inputs = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in decoder_inputs)
     base = to_float64(apply_patches(random_model.kmodel, names))
-    patched = to_float64(apply_patches(random_model.kmodel, [*names, "stft_phase_where", "sine_interp_gather"]))
+    patched = to_float64(apply_patches(random_model.kmodel, [*names, "stft_phase_where"]))
     assert rel(decode(patched, inputs, noise), decode(base, inputs, noise)) < 1e-12
-
-
-def test_sine_interp_gather_needs_noise_as_input(random_model):
-    from harness.patches import apply_patches
-
-    with pytest.raises(RuntimeError, match="noise_as_input"):
-        apply_patches(random_model.kmodel, ["sine_interp_gather"])
-
-
-@pytest.mark.parametrize("n,scale", [(24, 300), (7200, 1 / 300), (5, 3), (10, 0.5)])
-def test_interp_linear_is_torchs_linear_interpolation(n, scale):
-    from harness.backend_patches import interp_linear
-
-    x = torch.randn(2, 3, n)
-    expected = F.interpolate(x, scale_factor=scale, mode="linear")
-    got = interp_linear(x, scale)
-    assert got.shape == expected.shape
-    assert rel(got, expected) < 1e-6
 
 
 class Stft(nn.Module):
@@ -302,26 +284,18 @@ class Stft(nn.Module):
 
 
 class Interp(nn.Module):
-    def __init__(self, patched: bool):
-        super().__init__()
-        self.patched = patched
-
     def forward(self, x):
-        if self.patched:
-            from harness.backend_patches import interp_linear
-
-            return interp_linear(x, 30)
         return F.interpolate(x, scale_factor=30, mode="linear")
 
 
-def _tvm_build_and_run(module, args):
+def _tvm_build_and_run(module, args, convert_map=None):
     import numpy as np
     import tvm
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
 
     with torch.no_grad():
-        mod = from_exported_program(torch.export.export(module, args, strict=False))
+        mod = from_exported_program(torch.export.export(module, args, strict=False), custom_convert_map=convert_map)
     vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(a.numpy()) for a in args])
     outs = out if not hasattr(out, "numpy") else [out]
@@ -340,12 +314,16 @@ def test_tvm_rejects_the_boolean_index_put_and_takes_the_patched_stft():
     assert rel(got[1], expected[1]) < 1e-4  # phase (atan2)
 
 
-def test_tvm_fails_one_sided_int_clamps_of_linear_interpolation_and_takes_the_patched_one():
+def test_tvm_fails_one_sided_int_clamps_and_the_backends_converter_fixes_them():
+    """TVM lowers `int64.clamp(max=n)` (torch's linear interpolation) to clip(-inf, n) and fails;
+    the backend's clamp converter is exact. When the first step passes, TVM fixed it."""
     pytest.importorskip("tvm")
+    from harness.backends.tvm import CONVERTER_FIXES
+
     x = torch.randn(1, 2, 16)
     with pytest.raises(Exception, match="Cannot convert infinity to BigInt"):
-        _tvm_build_and_run(Interp(patched=False), (x,))
-    (got,) = _tvm_build_and_run(Interp(patched=True), (x,))
+        _tvm_build_and_run(Interp(), (x,))
+    (got,) = _tvm_build_and_run(Interp(), (x,), CONVERTER_FIXES)
     assert rel(got, F.interpolate(x, scale_factor=30, mode="linear")) < 1e-6
 
 
