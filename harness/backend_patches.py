@@ -47,3 +47,24 @@ def _stft_phase_where(model: nn.Module) -> None:
     stft = model.decoder.generator.stft
     if isinstance(stft, CustomSTFT):
         stft.transform = types.MethodType(_custom_stft_transform, stft)
+
+
+# ---- AdainResBlk1d's 1/sqrt(2) of an integer tensor ------------------------------------------
+# kokoro.istftnet.AdainResBlk1d scales by `torch.rsqrt(torch.tensor(2))`: an int64 constant that
+# torch promotes to float. coremltools 9 keeps it int32 and fails: 'Op "rsqrt" ... expects tensor
+# or scalar of dtype from type domain ['fp16', 'fp32'] but got tensor[int32]'.
+
+def _adain_resblk_forward(self, x, s):
+    """istftnet.AdainResBlk1d.forward with a float constant under rsqrt (same float32 value)."""
+    out = self._residual(x, s)
+    return (out + self._shortcut(x)) * torch.rsqrt(torch.tensor(2.0))
+
+
+@patch("rsqrt_float_const", True, "the decoder's `rsqrt(torch.tensor(2))` is an int constant that "
+       "coremltools does not promote (rsqrt of int32 fails); rsqrt(tensor(2.0)) is the same value")
+def _rsqrt_float_const(model: nn.Module) -> None:
+    from kokoro.istftnet import AdainResBlk1d
+
+    for m in model.modules():
+        if isinstance(m, AdainResBlk1d):
+            m.forward = types.MethodType(_adain_resblk_forward, m)

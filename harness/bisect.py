@@ -609,8 +609,8 @@ class Bisector:
         shutil.copyfile(entry / "inputs.pt", out_dir / "inputs.pt")
         gm, in_names = self.graph.carve(window["outputs"], self._window_stop(window))
         inputs = self.graph.values32(in_names)
-        torch.save({"float32": evaluate(gm, inputs, "float32"), "float64": evaluate(gm, inputs, "float64")},
-                   out_dir / "expected.pt")
+        # float64 only: repro.py computes PyTorch's float32 (the floor) itself, on its machine
+        torch.save({"float64": evaluate(gm, inputs, "float64")}, out_dir / "expected.pt")
         facts = self._facts(op, in_names, inputs)
         atomic_write_text(out_dir / "ENV.md", _env_md(self.backend))
         atomic_write_text(out_dir / "REPORT.md", _report_md(facts))
@@ -726,6 +726,30 @@ REPRO_RUNNERS = {
     out = session.run(None, {i.name: np.ascontiguousarray(feed[i.name].numpy()) for i in session.get_inputs()})
     return [torch.from_numpy(np.asarray(o)) for o in out]
 ''',
+    "tvm-onnx": '''def run_backend(program, inputs):
+    """torch.onnx.export (dynamo, opset 18) -> TVM Relax ONNX frontend -> relax.build(llvm) -> Relax VM."""
+    import tempfile
+
+    import onnx
+    import tvm
+    from torch.export.graph_signature import InputKind
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "model.onnx")
+        torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True).save(path, external_data=False)
+        model = onnx.load(path)
+    dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name for i in model.graph.input}
+    mod = from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
+    with tvm.transform.PassContext(opt_level=3):
+        vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    feed = dict(zip(names, inputs))
+    out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(feed[i.name].numpy())) for i in model.graph.input])
+    out = out if isinstance(out, (list, tuple)) or not hasattr(out, "numpy") else [out]
+    return [torch.from_numpy(np.array(o.numpy())) for o in out]
+''',
 }
 _XNNPACK = dict(partitioner_name="XnnpackPartitioner", partitioners="[XnnpackPartitioner()]",
                 partitioner_import="    from executorch.backends.xnnpack.partition.xnnpack_partitioner import "
@@ -745,8 +769,8 @@ def repro_runner(backend) -> str | None:
         return REPRO_RUNNERS["executorch"].format(**_XNNPACK)
     if backend.name == "portable":
         return REPRO_RUNNERS["executorch"].format(**_PORTABLE)
-    if backend.name == "onnxruntime":
-        return REPRO_RUNNERS["onnxruntime"]
+    if backend.name in ("onnxruntime", "tvm-onnx"):
+        return REPRO_RUNNERS[backend.name]
     return None
 
 
@@ -867,7 +891,7 @@ def _env_md(backend) -> str:
 
     rows = [("Python", platform.python_version()), ("OS", platform.platform()),
             ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)")]
-    for pkg in ("torch", "numpy", "executorch", "onnxruntime", "onnx", "onnxscript"):
+    for pkg in ("torch", "numpy", "executorch", "onnxruntime", "onnx", "onnxscript", "apache-tvm"):
         try:
             rows.append((pkg, md.version(pkg)))
         except md.PackageNotFoundError:
@@ -920,7 +944,7 @@ pip install torch numpy   # plus the backend's package, versions in ENV.md
 python repro.py           # exit code 1 while the bug reproduces, 0 once fixed
 ```
 The directory is self-contained: `program.pt2` (torch.export.save), `inputs.pt`, `expected.pt`
-(float32 and float64 references), `repro.py`. Found with kokoro-parity's bisection.
+(the float64 reference), `repro.py`. Found with kokoro-parity's bisection.
 """
 
 

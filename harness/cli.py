@@ -30,9 +30,13 @@ def cmd_run(args) -> int:
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
+    from .artifacts import ArtifactItem, artifact_items, check_artifact
+
+    items = [] if args.artifact and not args.backend else session.items(backends, args.step, modes)
+    items += artifact_items(session, args.artifact, modes)
     records = []
-    for item in session.items(backends, args.step, modes):
-        rec = session.run(item)
+    for item in items:
+        rec = check_artifact(session, item) if isinstance(item, ArtifactItem) else session.run(item)
         records.append(rec)
         print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
     print(summary_table(records))
@@ -198,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run (case, step, backend, mode) items and print the summary")
     _add_run_options(p)
+    p.add_argument("--artifact", action="append", default=[], metavar="STEP=PATH",
+                   help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references (repeatable; "
+                        "without --backend only these items run)")
     p.set_defaults(fn=cmd_run)
     sub.add_parser("backends", help="list backends and whether they can run here").set_defaults(fn=cmd_backends)
     p = sub.add_parser("bisect", help="run one item; if it fails, find the first diverging module and op, "

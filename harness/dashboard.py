@@ -516,7 +516,8 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
     regs_by_run = history.regressions(factor)
     runs = history.runs
     latest = history.latest
-    common = dict(history=history, latest=latest, runs=runs, factor=factor, built=time.strftime(
+    common = dict(history=history, latest=latest, runs=runs, factor=factor, run_labels=dict(zip(
+        (r.id for r in runs), _labels(runs))), built=time.strftime(
         "%Y-%m-%d %H:%M UTC", time.gmtime()), problems=[str(p) for p in history.problems], plotly_version=plotly.__version__)
 
     def render(name: str, path: Path, root: str, **kw) -> None:

@@ -26,6 +26,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--update-golden", action="store_true", help="regenerate golden/ from the current references")
     g.addoption("--report-dir", default="reports", help="where JSON records and run files go")
     g.addoption("--profile", default=None, help="tolerance profile YAML (default: harness/tolerances.yaml)")
+    g.addoption("--artifact", action="append", default=[], metavar="STEP=PATH",
+                help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references (repeatable; "
+                     "without --backend only these items run)")
     g.addoption("--with-patch", action="append", default=[], dest="with_patch",
                 help="add a patch to every backend's own (repeatable), e.g. length_aware_lstm")
     g.addoption("--bisect", action="store_true",
@@ -82,7 +85,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     mode = config.getoption("--mode")
     modes = ("dynamic", "static") if mode == "both" else (mode,)
     if "parity_item" in metafunc.fixturenames:
-        items = _session(config).items(_backends(config), modes=modes)
+        specs = config.getoption("--artifact")
+        items = [] if specs and not config.getoption("--backend") else _session(config).items(_backends(config), modes=modes)
+        if specs:
+            from .artifacts import artifact_items
+
+            try:
+                items += artifact_items(_session(config), specs, modes)
+            except (ValueError, FileNotFoundError) as e:
+                raise pytest.UsageError(str(e)) from None
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:
         keys = [(c, m) for c in _session(config).cases for m in modes]
@@ -144,11 +155,14 @@ def check_parity(request: pytest.FixtureRequest):
     from .report import item_table
 
     def check(item) -> Record:
-        rec = _session(request.config).run(item)
+        from .artifacts import ArtifactItem, check_artifact
+
+        artifact = isinstance(item, ArtifactItem)
+        rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
         request.config._parity_records.append(rec)
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
-        if rec.verdict is not Verdict.PASS and request.config.getoption("--bisect"):
+        if rec.verdict is not Verdict.PASS and request.config.getoption("--bisect") and not artifact:
             from .bisect import BISECTABLE, bisect_item
 
             if rec.verdict.value in BISECTABLE:  # fills rec.bisect and rewrites the record

@@ -49,6 +49,7 @@ def item_table(rec: Record) -> str:
         lines.append("ops left outside the delegate: " + ", ".join(f"{k} x{v}" for k, v in sorted(outside.items())))
     if rec.audit.get("non_core_aten_ops"):
         lines.append("ops outside Core ATen: " + ", ".join(f"{k} x{v}" for k, v in rec.audit["non_core_aten_ops"].items()))
+    lines += audit_lines(rec.audit)
     if rec.log and not rec.verdict.ok and rec.verdict.value != "fail":
         lines.append("log (tail):\n" + "\n".join(rec.log.splitlines()[-12:]))
     if rec.bisect:
@@ -56,6 +57,27 @@ def item_table(rec: Record) -> str:
 
         lines.append(format_bisect(rec.bisect))
     return "\n".join(lines)
+
+
+AUDIT_LABELS = {"ops_without_converter": "ops without a TVM converter",
+                "ops_without_onnx_translation": "ops the ONNX exporter cannot translate",
+                "onnx_ops_without_tvm_converter": "ONNX ops without a TVM converter",
+                "ops_without_mil_lowering": "ops without a Core ML (MIL) lowering"}
+
+
+def audit_lines(audit: dict) -> list[str]:
+    """The issue-7 audits (harness/backends): what a backend will not take, and why it fell back."""
+    lines = [f"{label}: " + ", ".join(f"{k} x{v}" for k, v in audit[key].items())
+             for key, label in AUDIT_LABELS.items() if audit.get(key)]
+    for key in ("dynamo_error", "audit_error"):
+        if audit.get(key):
+            lines.append(f"{key.replace('_', ' ')}: {audit[key]}")
+    if "largest_activation" in audit:
+        lines.append(f"largest activation {_fmt(audit['largest_activation'])} = "
+                     f"{_fmt(audit['largest_activation_of_fp16_max'])} of float16's 65,504; over it: "
+                     f"{', '.join(audit['modules_over_fp16_max']) or 'none'}; first non-finite in float16: "
+                     f"{audit['fp16_first_nonfinite'] or 'none'}")
+    return lines
 
 
 def summary_table(records: list[Record]) -> str:

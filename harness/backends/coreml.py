@@ -13,7 +13,8 @@ from pathlib import Path
 from . import Backend
 from .tvm import COMMON_PATCHES
 
-CORE_ML_PATCHES = ("stft_phase_where",)  # harness.backend_patches: `&` has no MIL lowering
+# harness.backend_patches: `&` has no MIL lowering; rsqrt of an int constant is not promoted
+CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const")
 
 
 def _inference_ir(program):

@@ -21,7 +21,9 @@ def _module_path(node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return "<top>"
-    path = list(stack.values())[-1][0]
+    path = ""
+    for entry, _ in stack.values():  # an entry may be relative to its parent (patched forwards)
+        path = entry if not path or entry.startswith(path) else f"{path}.{entry}"
     return path.removeprefix("L['self'].").removeprefix("kmodel.") or "<top>"
 
 

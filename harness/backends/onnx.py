@@ -12,11 +12,15 @@ from collections import Counter
 from pathlib import Path
 
 from . import Backend
-from .tvm import COMMON_PATCHES, build_library, run_library, tvm_version
+from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
 
 ONNX_NAME = "model.onnx"
 IO_NAME = "io.json"  # the program's user input names, in order: runs map inputs by name
 OPSET = 18
+# CustomSTFT's boolean `phase[mask] = pi` exports as NonZero + ScatterND, which TVM's ONNX frontend
+# rejects ("ScatterND op requires the updates tensor to have the shape ..."): both ONNX backends
+# take stft_phase_where (exact), so that they share one program and one ONNX file.
+ONNX_PATCHES = COMMON_PATCHES + TVM_PATCHES
 
 
 def exporter_gaps(program) -> dict:
@@ -81,7 +85,7 @@ def input_feed(artifact_path: Path, graph_inputs: list[str], inputs: list) -> di
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     requires = ("onnxruntime", "onnx", "onnxscript")
-    patches = COMMON_PATCHES
+    patches = ONNX_PATCHES
     artifact_name = ONNX_NAME
     description = "torch.onnx.export (dynamo, TorchScript fallback) -> onnxruntime CPU"
 
@@ -117,7 +121,7 @@ def tvm_onnx_gaps(model) -> dict:
 class TvmOnnxBackend(Backend):
     name = "tvm-onnx"
     requires = ("tvm", "onnx", "onnxscript")
-    patches = COMMON_PATCHES
+    patches = ONNX_PATCHES
     artifact_name = "model.so"
     description = "the ONNX file of `onnxruntime` through TVM Relax's ONNX frontend (llvm, Relax VM)"
 
@@ -140,8 +144,7 @@ class TvmOnnxBackend(Backend):
                   for i in model.graph.input}
         mod = from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
         build_library(mod, out_dir / self.artifact_name)
-        self.graph_inputs = [i.name for i in model.graph.input]
-        (out_dir / "onnx_inputs.json").write_text(json.dumps(self.graph_inputs))
+        (out_dir / "onnx_inputs.json").write_text(json.dumps([i.name for i in model.graph.input]))
         return self.compile_audit
 
     def run(self, artifact_path: Path, inputs: list) -> list:

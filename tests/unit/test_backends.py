@@ -52,9 +52,12 @@ def small_program(tmp_path_factory) -> tuple[Path, tuple]:
 def example_backends(tmp_path_factory):
     """The example package installed as a user would (pip, no network), into a directory that
     this process and its child jobs both see: entry points found through sys.path/PYTHONPATH."""
-    target = tmp_path_factory.mktemp("site")
+    import shutil
+
+    source, target = tmp_path_factory.mktemp("src") / "example_backend", tmp_path_factory.mktemp("site")
+    shutil.copytree(EXAMPLE, source)  # setuptools builds in the source tree: keep the repo clean
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(EXAMPLE)], check=True, cwd=tmp_path_factory.getbasetemp())
+                    "--no-index", "--target", str(target), str(source)], check=True, cwd=source)
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(target))
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])))
@@ -177,6 +180,30 @@ def test_a_failed_compile_keeps_its_audit(tmp_path):
     assert result.value["audit"]["ops_without_mil_lowering"] == {"__and__": 1}
 
 
+class RsqrtInt(nn.Module):
+    def __init__(self, patched: bool):
+        super().__init__()
+        self.patched = patched
+
+    def forward(self, x):
+        return x * torch.rsqrt(torch.tensor(2.0 if self.patched else 2))
+
+
+def test_coreml_rejects_rsqrt_of_an_int_constant_and_takes_the_patched_one(tmp_path):
+    """kokoro's AdainResBlk1d: when the first conversion passes, coremltools fixed it."""
+    ct = pytest.importorskip("coremltools")
+    x = torch.randn(1, 3)
+    for patched in (False, True):
+        with torch.no_grad():
+            program = torch.export.export(RsqrtInt(patched), (x,), strict=False).run_decompositions({})
+        if not patched:
+            with pytest.raises(ValueError, match=r'Op "rsqrt".*got tensor\[int32\]'):
+                ct.convert(program, convert_to="mlprogram", skip_model_load=True)
+        else:
+            ct.convert(program, convert_to="mlprogram", skip_model_load=True)
+    assert torch.equal(RsqrtInt(True)(x), RsqrtInt(False)(x))
+
+
 # ---- Core ML: compiled here, predicted only on macOS -------------------------------------
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS Core ML runs")
@@ -199,7 +226,9 @@ class Loud(nn.Module):
         super().__init__()
         self.quiet = nn.Linear(4, 4)
         self.big = nn.Linear(4, 4)
-        with torch.no_grad():
+        with torch.no_grad():  # quiet: the identity (|x| 1); big: 4e5 from ones, over float16's range
+            self.quiet.weight.copy_(torch.eye(4))
+            self.quiet.bias.zero_()
             self.big.weight.fill_(1e5)
             self.big.bias.zero_()
 
@@ -242,7 +271,7 @@ def decode(model, inputs, noise):
         return model.decoder(asr, f0, n, s)
 
 
-@pytest.mark.parametrize("name", ["stft_phase_where"])
+@pytest.mark.parametrize("name", ["stft_phase_where", "rsqrt_float_const"])
 def test_frontend_gap_patches_match_eager(random_model, decoder_inputs, name):
     from harness.patches import PATCHES, apply_patches, sample_noise
 
@@ -262,7 +291,7 @@ def test_frontend_gap_patches_match_eager_in_float64(random_model, decoder_input
     noise = {k: v.double() for k, v in sample_noise(3, 600 * decoder_inputs[-1]).items()}
     inputs = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in decoder_inputs)
     base = to_float64(apply_patches(random_model.kmodel, names))
-    patched = to_float64(apply_patches(random_model.kmodel, [*names, "stft_phase_where"]))
+    patched = to_float64(apply_patches(random_model.kmodel, [*names, "stft_phase_where", "rsqrt_float_const"]))
     assert rel(decode(patched, inputs, noise), decode(base, inputs, noise)) < 1e-12
 
 
@@ -468,3 +497,18 @@ def test_artifact_items_judge_a_users_onnx_and_pte(tiny_session, tmp_path):
             assert other.verdict is Verdict.SKIPPED and "fit the dynamic mode" in other.reason
     wrong = check_artifact(tiny_session, ArtifactItem("tiny", "decoder", str(tmp_path / "enc.onnx"), "dynamic"))
     assert wrong.verdict is Verdict.RUN_ERROR and "does not fit step 'decoder'" in wrong.reason
+
+
+def test_failing_items_show_their_audit():
+    from harness.record import Record
+    from harness.report import item_table
+    from harness.verdict import Verdict
+
+    rec = Record("c", "decoder", "coreml-fp16", "static", Verdict.COMPILE_ERROR, reason="NotImplementedError: x",
+                 audit={"ops_without_mil_lowering": {"__and__": 1}, "ops_without_converter": {},
+                        "largest_activation": 7e4, "largest_activation_of_fp16_max": 1.07,
+                        "modules_over_fp16_max": ["decoder.generator"], "fp16_first_nonfinite": "add_3 in decoder"})
+    table = item_table(rec)
+    assert "ops without a Core ML (MIL) lowering: __and__ x1" in table
+    assert "TVM converter" not in table
+    assert "over it: decoder.generator" in table and "first non-finite in float16: add_3 in decoder" in table

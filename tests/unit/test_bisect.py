@@ -267,10 +267,9 @@ def test_repro_reproduces_alone_in_a_fresh_process(programs, env, tmp_path):
     shutil.copytree(repro["path"], bundle)
     assert {"repro.py", "program.pt2", "inputs.pt", "expected.pt", "ENV.md", "REPORT.md"} <= set(repro["files"])
     assert node in (bundle / "REPORT.md").read_text() and "torch" in (bundle / "ENV.md").read_text()
-    imported = {a.name.split(".")[0] for n in ast.walk(ast.parse((bundle / "repro.py").read_text()))
-                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in getattr(n, "names", [])}
-    imported |= {n.module.split(".")[0] for n in ast.walk(ast.parse((bundle / "repro.py").read_text()))
-                 if isinstance(n, ast.ImportFrom) and n.module}
+    tree = ast.parse((bundle / "repro.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"math", "sys", "pathlib", "numpy", "torch", "executorch"}, imported
 
     probe = ("import runpy, sys\nsys.argv = ['repro.py']\ncode = 0\n"
