@@ -371,7 +371,6 @@ class Bisector:
         import torch
 
         from . import cache
-        from .jobs import run_job
         from .metrics.tensor import compare_to_floor
 
         start = time.monotonic()
