@@ -18,6 +18,7 @@ A probe that crashes or does not compile counts as failing: it is a finding, not
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -613,12 +614,8 @@ class Bisector:
         facts = self._facts(op, in_names, inputs)
         atomic_write_text(out_dir / "ENV.md", _env_md(self.backend))
         atomic_write_text(out_dir / "REPORT.md", _report_md(facts))
-        if runner is None:
-            atomic_write_text(out_dir / "repro.py", _NO_TEMPLATE.format(backend=self.backend.name))
-        else:
-            atomic_write_text(out_dir / "repro.py", _REPRO.format(
-                summary=facts["summary"], backend=self.backend.name, runner=runner,
-                floor_multiplier=self.tol.floor_multiplier, rel_l2=self.tol.rel_l2, node=k.name))
+        atomic_write_text(out_dir / "repro.py", render_repro(self.backend, facts["summary"], k.name,
+                                                             self.tol.floor_multiplier, self.tol.rel_l2))
         for p in out_dir.iterdir():
             p.chmod(0o644)
         info = {"path": str(out_dir), "bytes": sum(p.stat().st_size for p in out_dir.iterdir()),
@@ -749,6 +746,45 @@ REPRO_RUNNERS = {
     out = out if isinstance(out, (list, tuple)) or not hasattr(out, "numpy") else [out]
     return [torch.from_numpy(np.array(o.numpy())) for o in out]
 ''',
+    "tvm": '''def run_backend(program, inputs):
+    """torch.export program -> TVM Relax from_exported_program -> relax.build(llvm) -> Relax VM."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    mod = from_exported_program(program, custom_convert_map={"clamp.default": _clamp_int_safe})
+    with tvm.transform.PassContext(opt_level=3):
+        vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
+
+    def flatten(v):
+        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
+    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
+''',
+    "fp16": '''def run_backend(program, inputs):
+    """PyTorch in float16 on the CPU: the whole program (weights, constants, hard-coded dtypes)."""
+    half = _to_dtype(program.module(), torch.float16)
+    with torch.no_grad():
+        out = half(*[t.half() if t.is_floating_point() else t for t in inputs])
+    return [o.float() for o in (out if isinstance(out, (tuple, list)) else [out])]
+''',
+    "coreml": '''def run_backend(program, inputs):
+    """coremltools: mlprogram at @PRECISION@ compute precision, predicted with compute units @UNITS@."""
+    import platform
+
+    import coremltools as ct
+
+    model = ct.convert(program.run_decompositions({}), convert_to="mlprogram",
+                       minimum_deployment_target=ct.target.iOS17, compute_precision=ct.precision.@PRECISION@,
+                       compute_units=ct.ComputeUnit.@UNITS@, skip_model_load=platform.system() != "Darwin")
+    if platform.system() != "Darwin":
+        print(f"converted; Core ML prediction needs macOS (this is {platform.system()}): not run")
+        raise SystemExit(2)
+    spec = model.get_spec()
+    names = [i.name for i in spec.description.input]
+    out = model.predict({n: t.numpy() for n, t in zip(names, inputs)})
+    return [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]
+''',
 }
 _XNNPACK = dict(partitioner_name="XnnpackPartitioner", partitioners="[XnnpackPartitioner()]",
                 partitioner_import="    from executorch.backends.xnnpack.partition.xnnpack_partitioner import "
@@ -770,7 +806,27 @@ def repro_runner(backend) -> str | None:
         return REPRO_RUNNERS["executorch"].format(**_PORTABLE)
     if backend.name in ("onnxruntime", "tvm-onnx"):
         return REPRO_RUNNERS[backend.name]
+    if backend.name == "tvm":  # the converter fix the backend applies, inlined: the repro imports no harness
+        from .backends.tvm import _clamp_int_safe
+
+        return inspect.getsource(_clamp_int_safe) + "\n\n" + REPRO_RUNNERS["tvm"]
+    if backend.name == "fp16":
+        from .backends.fp16 import _to_dtype
+
+        return inspect.getsource(_to_dtype) + "\n\n" + REPRO_RUNNERS["fp16"]
+    if backend.name in ("coreml-fp32", "coreml-fp16"):
+        precision, units = ("FLOAT32", "CPU_ONLY") if backend.name == "coreml-fp32" else ("FLOAT16", "ALL")
+        return REPRO_RUNNERS["coreml"].replace("@PRECISION@", precision).replace("@UNITS@", units)
     return None
+
+
+def render_repro(backend, summary: str, node: str, floor_multiplier: float, rel_l2: float) -> str:
+    """The text of repro.py for `backend` (a stub that says so when the backend has no template)."""
+    runner = repro_runner(backend)
+    if runner is None:
+        return _NO_TEMPLATE.format(backend=backend.name)
+    return _REPRO.format(summary=summary, backend=backend.name, runner=runner, floor_multiplier=floor_multiplier,
+                         rel_l2=rel_l2, node=node)
 
 
 _REPRO = '''#!/usr/bin/env python3
@@ -890,7 +946,7 @@ def _env_md(backend) -> str:
 
     rows = [("Python", platform.python_version()), ("OS", platform.platform()),
             ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)")]
-    for pkg in ("torch", "numpy", "executorch", "onnxruntime", "onnx", "onnxscript", "apache-tvm"):
+    for pkg in ("torch", "numpy", "executorch", "onnxruntime", "onnx", "onnxscript", "apache-tvm", "coremltools"):
         try:
             rows.append((pkg, md.version(pkg)))
         except md.PackageNotFoundError:
