@@ -268,3 +268,12 @@ def to_float64(model: nn.Module) -> nn.Module:
 
 
 from . import backend_patches  # noqa: E402,F401 - registers the backends' frontend-gap patches after these
+
+
+@patch("length_aware_norm", True, "a static synthesizer that keeps the exact-length semantics: AdaIN's "
+       "InstanceNorm over each sequence's valid frames, zeros past the length wherever a conv reads, "
+       "the vocoder's STFT edges as on the exact length", affects=("f0n", "synthesizer"))
+def _length_aware_norm(model: nn.Module) -> None:
+    from .length_aware_norm import apply_length_aware_norm
+
+    apply_length_aware_norm(model)

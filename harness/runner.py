@@ -139,10 +139,13 @@ class Session:
         artifact_key = content_key("artifact", program_key, backend.name, backend.version())
         artifact_dir, result = self._cached_job(
             "artifacts", artifact_key, "compiles", "harness.backends:compile_job", self.limits.compile_s,
-            lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp)))
+            lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp)),
+            admission_key=f"compile/{backend.name}/{step}")
         rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
         if result is not None:
             rec.timings[f"{tag}compile_s"] = result.seconds
+            if result.extra.get("admission_wait_s"):
+                rec.timings[f"{tag}compile_wait_s"] = result.extra["admission_wait_s"]
             rec.peak_rss_mb[f"{tag}compile"] = result.peak_rss_mb
             if not result.ok:
                 rec.audit.update((result.value or {}).get("audit", {}))  # the op audit made before compiling
@@ -251,8 +254,12 @@ class Session:
                 write_wav(self.report_dir / rel, traces.valid_region(item.step, name, tensor).detach().cpu().numpy())
                 rec.audio[prefix + role] = rel.as_posix()
 
-    def _cached_job(self, kind, key, counter, function, timeout, make_kwargs) -> tuple[Path, JobResult | None]:
-        """Run a job whose output directory is a cache entry. Returns (entry, None) on a hit."""
+    def _cached_job(self, kind, key, counter, function, timeout, make_kwargs,
+                    admission_key: str | None = None) -> tuple[Path, JobResult | None]:
+        """Run a job whose output directory is a cache entry. Returns (entry, None) on a hit.
+        With `admission_key`, the job waits for the memory its last run peaked at (admission.py)."""
+        from . import admission
+
         entry = cache.entry(kind, key)
         if (entry / ".complete").exists():
             self.counts[f"{kind}_hits"] += 1
@@ -260,7 +267,13 @@ class Session:
         outcome: dict = {}
 
         def build(tmp: Path) -> None:
-            result = run_job(function, make_kwargs(tmp), tmp, timeout)
+            if admission_key is None:
+                result = run_job(function, make_kwargs(tmp), tmp, timeout)
+            else:
+                with admission.admitted(admission_key) as waited:
+                    result = run_job(function, make_kwargs(tmp), tmp, timeout)
+                result.extra["admission_wait_s"] = round(waited, 1)
+                admission.record_peak_mb(admission_key, result.peak_rss_mb)
             outcome["result"] = result
             if not result.ok:
                 raise _JobFailed()

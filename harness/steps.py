@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .length_aware_norm import provide_frame_lengths
 from .patches import NOISE_INPUTS, provide_noise, run_padded
 
 # Unit -> how many of it per token / alignment frame. `samples` = 600 per frame (24 kHz).
@@ -87,6 +88,10 @@ class F0NStep(_StepModule):
     unpacked on the exact frames; on a frame bucket only a length-aware LSTM keeps that."""
 
     def forward(self, en, s_pred, frame_lengths):
+        with provide_frame_lengths(frame_lengths):  # read only by the length_aware_norm patch
+            return self._forward(en, s_pred, frame_lengths)
+
+    def _forward(self, en, s_pred, frame_lengths):
         p = self.kmodel.predictor
         run = getattr(self.kmodel, "_parity_run_lstm", run_padded)  # kokoro's own call
         x = run(p.shared, en.transpose(-1, -2), frame_lengths).transpose(-1, -2)
@@ -138,6 +143,12 @@ class SynthesizerStep(_StepModule):
 
     def forward(self, d, aln, input_ids, input_lengths, text_mask, s_pred, s_dec, frame_lengths,
                 rand_ini, sine_noise, source_noise):
+        with provide_frame_lengths(frame_lengths):  # read only by the length_aware_norm patch
+            return self._forward(d, aln, input_ids, input_lengths, text_mask, s_pred, s_dec, frame_lengths,
+                                 rand_ini, sine_noise, source_noise)
+
+    def _forward(self, d, aln, input_ids, input_lengths, text_mask, s_pred, s_dec, frame_lengths,
+                 rand_ini, sine_noise, source_noise):
         F0, N = self.f0n(d.transpose(-1, -2) @ aln, s_pred, frame_lengths)
         asr = self.text_encoder(input_ids, input_lengths, text_mask) @ aln
         return self.decoder(asr, F0, N, s_dec, rand_ini, sine_noise, source_noise)
