@@ -302,28 +302,28 @@ def _maxrss_mb() -> float:
 
 # ---- summary ----------------------------------------------------------------------------------
 
-# The phases, each the sum of the probes (by name, every parent) that make it up.
+# The phases: (label, probe names, parent they must be called from or None, self time?).
+EXPORT_JOB, TO_EDGE = "export job (harness.programs.export_step)", "to_edge (decompositions + edge dialect)"
 SUMMARY = (
-    ("torch.export", ("torch.export.export",), "total"),
-    ("audit: run_decompositions (core ATen)", ("run_decompositions (core ATen table)",), "total"),
-    ("to_edge: decompositions", ("run_decompositions({}) (functionalize only)", "run_decompositions (ExecuTorch table)"), "under:to_edge (decompositions + edge dialect)"),
-    ("to_edge: edge dialect conversion", ("edge dialect conversion (passes)",), "total"),
-    ("verification (ExportedProgram._validate)", ("verification (ExportedProgram._validate)",), "self"),
-    ("partitioning (tag + fuse + fake copy)", ("partitioning: tag supported nodes", "partitioning: fuse tagged subgraphs",
-                                               "fake copy of the program"), "total"),
-    ("delegate preprocess (XNNPACK serialization)", ("delegate lowering (all partitions)",), "total"),
-    ("to_executorch (passes + memory planning + emit)", ("to_executorch (passes + memory plan + emit)",), "total"),
-    ("serialize .pte + buffer", ("serialize .pte (flatbuffer)", "buffer (bytes of the .pte)"), "total"),
+    ("torch.export", ("torch.export.export",), EXPORT_JOB, False),
+    ("audit: run_decompositions (core ATen)", ("run_decompositions (core ATen table)",), None, False),
+    ("to_edge: decompositions", ("run_decompositions({}) (functionalize only)", "run_decompositions (ExecuTorch table)"),
+     TO_EDGE, False),
+    ("to_edge: edge dialect conversion", ("edge dialect conversion (passes)",), TO_EDGE, False),
+    ("verification (ExportedProgram._validate, everywhere)", ("verification (ExportedProgram._validate)",), None, True),
+    ("partitioning (fake copy + tag + fuse)", ("fake copy of the program", "partitioning: tag supported nodes",
+                                               "partitioning: fuse tagged subgraphs"), None, False),
+    ("delegate preprocess (XNNPACK serialization)", ("delegate lowering (all partitions)",), None, False),
+    ("to_executorch (passes + memory planning + emit)", ("to_executorch (passes + memory plan + emit)",), None, False),
+    ("serialize .pte + buffer", ("serialize .pte (flatbuffer)", "buffer (bytes of the .pte)"), None, False),
 )
 
 
 def summarize(phases: list[dict]) -> list[dict]:
     rows = []
-    for label, names, how in SUMMARY:
-        chosen = [p for p in phases if p["name"] in names]
-        if how.startswith("under:"):
-            chosen = [p for p in chosen if p["parent"] == how[6:]]
-        seconds = sum(p["self_s"] if how == "self" else p["total_s"] for p in chosen)
+    for label, names, parent, use_self in SUMMARY:
+        chosen = [p for p in phases if p["name"] in names and parent in (None, p["parent"])]
+        seconds = sum(p["self_s"] if use_self else p["total_s"] for p in chosen)
         graphs = [p["result"] for p in chosen if p["result"].get("nodes") is not None]
         rows.append({"phase": label, "calls": sum(p["calls"] for p in chosen), "wall_s": seconds,
                      "peak_rss_growth_mb": max((p["peak_rss_growth_mb"] for p in chosen), default=0.0),
@@ -336,7 +336,8 @@ def print_report(result: dict) -> None:
           f"  patches: {', '.join(result['patches'])}  inputs: {result['shapes']}")
     print(tabulate([[("  " * p["depth"]) + p["name"], p["calls"], p["total_s"], p["self_s"], p["peak_rss_growth_mb"],
                      _result_text(p["result"])] for p in result["phases"]],
-                   headers=["phase (nested)", "calls", "total s", "self s", "peak RSS +MB", "result"], floatfmt=".1f"))
+                   headers=["phase (nested)", "calls", "total s", "self s", "peak RSS +MB", "result"], floatfmt=".1f",
+                   preserve_whitespace=True))  # keeps the nesting indent
     print()
     print(tabulate(result["summary"], headers="keys", floatfmt=".1f"))
     audit = result["audit"]

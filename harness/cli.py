@@ -197,6 +197,16 @@ def cmd_weights(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """The benchmarks live beside the package in a checkout (they time pytest runs of it)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not script.exists():
+        raise FileNotFoundError(f"{script}: `bench` needs a source checkout of kokoro-parity")
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kokoro-parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -259,10 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="cases directory (default: the repository's cases/)")
     p.set_defaults(fn=cmd_new_case)
+    p = sub.add_parser("bench", help="benchmarks/bench.py of a source checkout: cold vs warm, harness vs bare "
+                                     "script, per-item figures (arguments are passed on)", add_help=False)
+    p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("weights", help="load (and on first use rebuild) the model, and describe it")
     p.add_argument("--weights")
     p.set_defaults(fn=cmd_weights)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
