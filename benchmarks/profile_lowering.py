@@ -55,6 +55,7 @@ class PhaseStat:
     calls: int = 0
     total_s: float = 0.0
     self_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU time (all threads), less sensitive than wall time to other load
     peak_rss_growth_mb: float = 0.0
     result: dict[str, Any] = field(default_factory=dict)  # what the last call returned (graph size)
 
@@ -63,6 +64,7 @@ class PhaseStat:
 class _Frame:
     name: str
     start: float
+    cpu0: float
     rss0: float
     peak: float
     child_s: float = 0.0
@@ -97,7 +99,7 @@ class Profiler:
     def phase(self, name: str):
         rss = current_rss_mb()
         parent = self._stack[-1].name if self._stack else ""
-        frame = _Frame(name, time.perf_counter(), rss, rss)
+        frame = _Frame(name, time.perf_counter(), time.process_time(), rss, rss)
         self._stack.append(frame)
         key = (parent, name)
         stat = self.stats.get(key) or self.stats.setdefault(key, PhaseStat(name, parent, len(self._stack) - 1, len(self.stats)))
@@ -110,6 +112,7 @@ class Profiler:
             stat.calls += 1
             stat.total_s += seconds
             stat.self_s += seconds - frame.child_s
+            stat.cpu_s += time.process_time() - frame.cpu0
             stat.peak_rss_growth_mb = max(stat.peak_rss_growth_mb, frame.peak - frame.rss0)
             if self._stack:
                 self._stack[-1].child_s += seconds
@@ -266,7 +269,7 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
 
     backend = get_backend(backend_name)
     patches = list(canonical((*backend.patches, *extra_patches)))
-    start_rss = current_rss_mb()
+    start_rss, load_before = current_rss_mb(), os.getloadavg()
     with Profiler() as prof:
         restore = install_probes(prof)
         try:
@@ -289,6 +292,7 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
     return {"step": step, "case": case, "mode": mode, "backend": backend_name, "patches": patches,
             "lstm_impl": impl if "length_aware_lstm" in patches else None,
             "shapes": {k: list(v.shape) for k, v in inputs.items()},
+            "load_average_before": load_before, "load_average_after": os.getloadavg(),
             "start_rss_mb": start_rss, "max_rss_mb": _maxrss_mb(),
             "artifact_bytes": artifact.stat().st_size, "audit": audit,
             "phases": [asdict(s) for s in prof.rows()]}
@@ -326,6 +330,7 @@ def summarize(phases: list[dict]) -> list[dict]:
         seconds = sum(p["self_s"] if use_self else p["total_s"] for p in chosen)
         graphs = [p["result"] for p in chosen if p["result"].get("nodes") is not None]
         rows.append({"phase": label, "calls": sum(p["calls"] for p in chosen), "wall_s": seconds,
+                     "cpu_s": None if use_self else sum(p.get("cpu_s", 0.0) for p in chosen),
                      "peak_rss_growth_mb": max((p["peak_rss_growth_mb"] for p in chosen), default=0.0),
                      "nodes_after": graphs[-1]["nodes"] if graphs else None})
     return rows
@@ -334,16 +339,21 @@ def summarize(phases: list[dict]) -> list[dict]:
 def print_report(result: dict) -> None:
     print(f"\n== {result['step']} / {result['case']} / {result['mode']} / {result['backend']}"
           f"  patches: {', '.join(result['patches'])}  inputs: {result['shapes']}")
-    print(tabulate([[("  " * p["depth"]) + p["name"], p["calls"], p["total_s"], p["self_s"], p["peak_rss_growth_mb"],
-                     _result_text(p["result"])] for p in result["phases"]],
-                   headers=["phase (nested)", "calls", "total s", "self s", "peak RSS +MB", "result"], floatfmt=".1f",
+    print(tabulate([[("  " * p["depth"]) + p["name"], p["calls"], p["total_s"], p["self_s"], p.get("cpu_s"),
+                     p["peak_rss_growth_mb"], _result_text(p["result"])] for p in result["phases"]],
+                   headers=["phase (nested)", "calls", "total s", "self s", "cpu s", "peak RSS +MB", "result"], floatfmt=".1f",
                    preserve_whitespace=True))  # keeps the nesting indent
     print()
     print(tabulate(result["summary"], headers="keys", floatfmt=".1f"))
     audit = result["audit"]
     print(f"process max RSS {result['max_rss_mb']:.0f} MB (started at {result['start_rss_mb']:.0f} MB); "
           f".pte {result['artifact_bytes'] / 2**20:.1f} MB; delegated subgraphs {audit.get('delegated_subgraphs')}, "
-          f"coverage {audit.get('delegate_coverage', 0):.3f}, non-delegated nodes {audit.get('non_delegated_nodes')}")
+          f"coverage {audit.get('delegate_coverage', 0):.3f}, non-delegated nodes {audit.get('non_delegated_nodes')}; "
+          f"load average before/after {_load(result.get('load_average_before'))} / {_load(result.get('load_average_after'))}")
+
+
+def _load(values) -> str:
+    return "?" if not values else f"{values[0]:.1f}"
 
 
 def _result_text(r: dict) -> str:

@@ -172,11 +172,18 @@ def _stft_center_pad_index(n_total: int, lengths: torch.Tensor, mode: str) -> to
     the exact-length signal reads: reflect (torch.stft) or replicate (CustomSTFT)."""
     t = torch.arange(n_total, device=lengths.device).unsqueeze(0)
     L = lengths.to(torch.int64).unsqueeze(1)
-    past = (2 * (L - 1) - t).clamp(min=0) if mode == "reflect" else (L - 1).expand_as(t)
-    return torch.where(t < L, t, past)
+    past = (2 * (L - 1) - t).clamp(min=0) if mode == "reflect" else L - 1
+    return torch.where(t < L, t, past)  # [B, n_total]
 
 
-def _edge_like_exact(stft: nn.Module, signal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def sine_phase_edge_like_exact(f0: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """f0 [B, frames2] with zeros past the length. SineGen's phase is a cumsum downsampled to
+    frames2 and linearly upsampled again; at the exact end that upsampling replicates the last
+    phase. A zero F0 adds exactly zero phase, so the static upsampling does the same."""
+    return zero_after(f0.unsqueeze(1), lengths).squeeze(1)
+
+
+def stft_edge_like_exact(stft: nn.Module, signal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """signal [B, S] whose samples past `lengths` are what the exact run's center padding holds."""
     mode = getattr(stft, "pad_mode", "reflect")
     if mode == "constant":
@@ -184,28 +191,33 @@ def _edge_like_exact(stft: nn.Module, signal: torch.Tensor, lengths: torch.Tenso
     return torch.gather(signal, 1, _stft_center_pad_index(signal.shape[-1], lengths, mode))
 
 
-def _istft_valid_frames(stft: nn.Module, spec: torch.Tensor, phase: torch.Tensor,
-                        frame_lengths: torch.Tensor, sample_lengths: torch.Tensor) -> torch.Tensor:
-    """stft.inverse on the valid STFT frames: frames past the length contribute nothing, and
-    torch.istft's window envelope is that of the valid frames only (CustomSTFT has none)."""
-    spec = zero_after(spec, frame_lengths)
-    audio = stft.inverse(spec, phase)  # [B, 1, S]
+def istft_envelope_like_exact(stft: nn.Module, audio: torch.Tensor, frame_lengths: torch.Tensor) -> torch.Tensor:
+    """torch.istft divides by the window envelope of all frames; the exact run's last samples
+    (those the first padded frame overlaps) have only the valid frames'. Rescale them; the other
+    samples are left bit for bit. CustomSTFT's inverse has no envelope: nothing to do."""
     from kokoro.istftnet import TorchSTFT
 
-    if isinstance(stft, TorchSTFT):  # torch.istft normalizes by the window envelope
-        n_frames, hop, n_fft = spec.shape[-1], stft.hop_length, stft.filter_length
-        w2 = (stft.window.to(audio.dtype) ** 2).view(1, 1, -1)
+    if not isinstance(stft, TorchSTFT):
+        return audio
+    hop, n_fft, n_frames = stft.hop_length, stft.filter_length, audio.shape[-1] // stft.hop_length + 1
+    w2 = (stft.window.to(audio.dtype) ** 2).view(1, 1, -1)
 
-        def envelope(frames_on):
-            env = F.conv_transpose1d(frames_on.to(audio.dtype), w2, stride=hop)
-            return env[..., n_fft // 2: n_fft // 2 + audio.shape[-1]]
+    def envelope(frames_on):
+        env = F.conv_transpose1d(frames_on.to(audio.dtype), w2, stride=hop)
+        return env[..., n_fft // 2: n_fft // 2 + audio.shape[-1]]
 
-        full = envelope(torch.ones(1, 1, n_frames, dtype=audio.dtype))
-        valid = envelope(valid_mask(frame_lengths, n_frames))
-        same = valid == full
-        safe = torch.where(valid > 1e-11, valid, torch.ones((), dtype=audio.dtype))
-        audio = torch.where(same, audio, audio * full / safe)
-    return zero_after(audio, sample_lengths)
+    full = envelope(torch.ones(1, 1, n_frames, dtype=audio.dtype))
+    valid = envelope(valid_mask(frame_lengths, n_frames))
+    safe = torch.where(valid > 1e-11, valid, torch.ones((), dtype=audio.dtype))
+    return torch.where(valid == full, audio, audio * full / safe)
+
+
+def _istft_valid_frames(stft: nn.Module, spec: torch.Tensor, phase: torch.Tensor,
+                        frame_lengths: torch.Tensor, sample_lengths: torch.Tensor) -> torch.Tensor:
+    """stft.inverse on the valid STFT frames only: zero magnitude past the length contributes
+    nothing to the overlap-add, and the envelope is that of the valid frames."""
+    audio = stft.inverse(zero_after(spec, frame_lengths), phase)  # [B, 1, S]
+    return zero_after(istft_envelope_like_exact(stft, audio, frame_lengths), sample_lengths)
 
 
 def _generator_forward(self, x, s, f0, lengths=None):
@@ -213,11 +225,11 @@ def _generator_forward(self, x, s, f0, lengths=None):
     if lengths is None:
         return self._parity_exact_forward(x, s, f0)
     with torch.no_grad():
-        f0 = zero_after(f0.unsqueeze(1), lengths)  # phase past the end stays put, as dynamic edge replication
+        f0 = sine_phase_edge_like_exact(f0, lengths)
         samples = lengths * int(self.f0_upsamp.scale_factor)
-        f0 = self.f0_upsamp(f0).transpose(1, 2)
+        f0 = self.f0_upsamp(f0.unsqueeze(1)).transpose(1, 2)
         har_source, noi_source, uv = self.m_source(f0)
-        har_source = _edge_like_exact(self.stft, har_source.transpose(1, 2).squeeze(1), samples)
+        har_source = stft_edge_like_exact(self.stft, har_source.transpose(1, 2).squeeze(1), samples)
         har_spec, har_phase = self.stft.transform(har_source)
         stft_frames = torch.div(samples, self.stft.hop_length, rounding_mode="floor") + 1  # center=True
         har = zero_after(torch.cat([har_spec, har_phase], dim=1), stft_frames)

@@ -36,6 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "write a standalone repro to <report-dir>/repro/<item>/ (see harness/bisect.py)")
     g.addoption("--bisect-depth", type=int, default=2,
                 help="module levels below the step's module tried alone before the op bisection (0: none)")
+    g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
+                help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s); "
+                     "past it the item is TIMEOUT")
     g.addoption("--shard", default=None, metavar="K/N",
                 help="run the K-th of N shards (1-based); items that share a compile stay together. "
                      "Join the shards' report dirs with `kokoro-parity merge`.")
@@ -57,13 +60,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def _session(config: pytest.Config):
     s = getattr(config, "_parity_session", None)
     if s is None:
-        from .runner import Session
+        from .runner import Limits, Session
         from .verdict import Profile
 
         s = Session(weights=config.getoption("--weights"), case_ids=config.getoption("--case"),
                     report_dir=Path(config.getoption("--report-dir")),
                     profile=Profile.load(config.getoption("--profile")),
-                    extra_patches=tuple(config.getoption("with_patch")))
+                    extra_patches=tuple(config.getoption("with_patch")),
+                    limits=Limits.parse(config.getoption("--time-limit")))
         config._parity_session = s
         config._parity_records = []
     return s

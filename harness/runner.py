@@ -40,6 +40,20 @@ class Limits:
     compile_s: float = 2400
     run_s: float = 900
 
+    @classmethod
+    def parse(cls, specs: list[str]) -> "Limits":
+        """From `PHASE=SECONDS` strings (`--time-limit compile=600`)."""
+        limits = cls()
+        for spec in specs:
+            phase, _, seconds = spec.partition("=")
+            if phase not in ("export", "compile", "run"):
+                raise ValueError(f"--time-limit {spec!r}: the phase is export, compile or run")
+            try:
+                setattr(limits, f"{phase}_s", float(seconds))
+            except ValueError:
+                raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
+        return limits
+
 
 @dataclass
 class Session:

@@ -5,6 +5,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from harness.jobs import run_job
 
 
@@ -49,3 +51,14 @@ def test_hang_is_a_timeout_and_is_killed(tmp_path):
 def test_missing_function_is_an_error(tmp_path):
     r = run_job("tests.unit.test_jobs:no_such_job", {}, tmp_path, timeout=120)
     assert r.status == "error" and "no_such_job" in r.error
+
+
+def test_time_limits_parse_and_name_the_bad_one():
+    from harness.runner import Limits
+
+    limits = Limits.parse(["compile=600", "run=30.5"])
+    assert (limits.export_s, limits.compile_s, limits.run_s) == (1200, 600, 30.5)
+    with pytest.raises(ValueError, match="lower"):
+        Limits.parse(["lower=3"])
+    with pytest.raises(ValueError, match="'ten'"):
+        Limits.parse(["run=ten"])

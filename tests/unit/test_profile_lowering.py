@@ -56,15 +56,15 @@ def test_nested_phases_split_self_time_and_restore_originals():
 def test_summary_adds_the_probes_of_each_phase():
     phases = [
         {"name": "run_decompositions({}) (functionalize only)", "parent": "to_edge (decompositions + edge dialect)",
-         "calls": 1, "total_s": 2.0, "self_s": 2.0, "peak_rss_growth_mb": 10.0, "result": {"nodes": 50}},
+         "calls": 1, "total_s": 2.0, "self_s": 2.0, "cpu_s": 1.5, "peak_rss_growth_mb": 10.0, "result": {"nodes": 50}},
         {"name": "run_decompositions (ExecuTorch table)", "parent": "to_edge (decompositions + edge dialect)",
-         "calls": 1, "total_s": 3.0, "self_s": 3.0, "peak_rss_growth_mb": 30.0, "result": {"nodes": 80}},
+         "calls": 1, "total_s": 3.0, "self_s": 3.0, "cpu_s": 2.5, "peak_rss_growth_mb": 30.0, "result": {"nodes": 80}},
         {"name": "run_decompositions (core ATen table)", "parent": "compile job: audit (XnnpackBackend.audit)",
-         "calls": 1, "total_s": 7.0, "self_s": 7.0, "peak_rss_growth_mb": 5.0, "result": {"nodes": 90}},
+         "calls": 1, "total_s": 7.0, "self_s": 7.0, "cpu_s": 6.0, "peak_rss_growth_mb": 5.0, "result": {"nodes": 90}},
     ]
     rows = {r["phase"]: r for r in profile_lowering.summarize(phases)}
     assert rows["to_edge: decompositions"] == {"phase": "to_edge: decompositions", "calls": 2, "wall_s": 5.0,
-                                               "peak_rss_growth_mb": 30.0, "nodes_after": 80}
+                                               "cpu_s": 4.0, "peak_rss_growth_mb": 30.0, "nodes_after": 80}
     assert rows["audit: run_decompositions (core ATen)"]["wall_s"] == 7.0
     assert rows["torch.export"]["calls"] == 0
 
