@@ -197,6 +197,17 @@ def cmd_weights(args) -> int:
     return 0
 
 
+def cmd_table(args) -> int:
+    from .record import read_records
+    from .report import summary_table
+
+    records = read_records(args.report_dir / "records")
+    if not records:
+        raise FileNotFoundError(f"{args.report_dir / 'records'}: no records")
+    print(summary_table(records, "github" if args.markdown else "simple"))
+    return 0
+
+
 def cmd_bench(args) -> int:
     """The benchmarks live beside the package in a checkout (they time pytest runs of it)."""
     import subprocess
@@ -269,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="cases directory (default: the repository's cases/)")
     p.set_defaults(fn=cmd_new_case)
+    p = sub.add_parser("table", help="the step x backend table of a report dir's records (Markdown with --markdown)")
+    p.add_argument("--report-dir", default="reports", type=Path)
+    p.add_argument("--markdown", action="store_true")
+    p.set_defaults(fn=cmd_table)
     p = sub.add_parser("bench", help="benchmarks/bench.py of a source checkout: cold vs warm, harness vs bare "
                                      "script, per-item figures (arguments are passed on)", add_help=False)
     p.set_defaults(fn=cmd_bench)

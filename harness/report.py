@@ -80,8 +80,9 @@ def audit_lines(audit: dict) -> list[str]:
     return lines
 
 
-def summary_table(records: list[Record]) -> str:
-    """One row per (step, mode), one column per backend: verdict and the key metric."""
+def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
+    """One row per (step, mode), one column per backend: verdict and the key metric (or, for an
+    item that did not run, the start of its reason). `tablefmt="github"` gives Markdown."""
     backends = sorted({r.backend for r in records})
     rows: dict[tuple, dict] = {}
     for r in records:
@@ -94,9 +95,11 @@ def summary_table(records: list[Record]) -> str:
         if audio is not None and r.verdict.value in ("pass", "fail"):
             cell += f" PESQ {_fmt(audio.get('pesq'))}"
         drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
+        if r.verdict.value not in ("pass", "fail") and r.reason:
+            cell += f" ({r.reason.split(';')[0][:60]})"
         rows.setdefault(key, {})[r.backend] = cell
         if drift is not None:
             rows[key]["drift"] = _fmt(drift)
     table = [[c, s, m, rows[(c, s, m)].get("drift", "-"), *(rows[(c, s, m)].get(b, "") for b in backends)]
              for (c, s, m) in sorted(rows)]
-    return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt="simple")
+    return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt=tablefmt)
