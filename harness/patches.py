@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import types
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -61,6 +62,24 @@ def apply_patches(kmodel: nn.Module, names: tuple[str, ...] | list[str]) -> nn.M
 
 def canonical(names) -> tuple[str, ...]:
     return tuple(n for n in PATCHES if n in set(names))
+
+
+# The sources that decide what a patched step computes. Cached programs and patched references
+# are keyed by their digest as well as by patch names, so editing a patch invalidates them.
+GRAPH_SOURCES = ("steps.py", "patches.py", "backend_patches.py", "length_aware_lstm.py", "length_aware_norm.py")
+
+
+@functools.lru_cache(maxsize=1)
+def graph_code_digest() -> str:
+    import hashlib
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in GRAPH_SOURCES:
+        path = here / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
+    return h.hexdigest()[:16]
 
 
 # ---- noise as input -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from . import cache
 from .cases import Case, CaseError
 from .files import atomic_write, content_key
 from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, style_for
-from .patches import apply_patches, sample_noise, to_float64
+from .patches import apply_patches, graph_code_digest, sample_noise, to_float64
 from .steps import FRAME_UNITS, NOISE_INPUTS, STEPS, Step, build_alignment, get_step
 
 MODES = ("dynamic", "static")
@@ -217,7 +217,8 @@ def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
     A backend is judged against the reference *with the patches its export needs*, so its error is
     its own; how far those patches move the model is reported beside it as the patch drift.
     """
-    key = content_key("variant", TRACE_VERSION, model.digest, case.digest, torch.__version__, step, mode, variant)
+    key = content_key("variant", TRACE_VERSION, model.digest, case.digest, torch.__version__, step, mode, variant,
+                      graph_code_digest() if variant else "")
 
     def build(tmp):
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
@@ -276,7 +277,8 @@ def rewrite_drift(model: LoadedModel, case: Case, traces: CaseTraces, variant: t
 def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, variant: tuple[str, ...] = ()):
     """The e2e reference audio: the synthesizer in eager PyTorch on the exact lengths and the
     reference alignment, in fp32 and fp64, with the backend's semantics-changing patches."""
-    key = content_key("synthesizer", TRACE_VERSION, model.digest, case.digest, torch.__version__, variant)
+    key = content_key("synthesizer", TRACE_VERSION, model.digest, case.digest, torch.__version__, variant,
+                      graph_code_digest() if variant else "")
     step = get_step("synthesizer")
     chain = traces.chain
 

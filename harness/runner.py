@@ -134,8 +134,10 @@ class Session:
 
         shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
         # export (once per step, shapes and patches; shared by every backend)
+        from .patches import graph_code_digest
+
         program_key = content_key("program", PROGRAM_VERSION, step, shapes, patches, self.model.digest,
-                                  torch.__version__)
+                                  torch.__version__, graph_code_digest())
         program_dir, result = self._cached_job(
             "programs", program_key, "exports", "harness.programs:export_step", self.limits.export_s,
             lambda tmp: dict(weights=self.weights, expected_digest=self.model.digest, step=step,

@@ -123,3 +123,17 @@ def test_no_packing_is_exact_on_exact_lengths_and_drifts_on_padding(random_model
 def test_unknown_patch_is_named():
     with pytest.raises(KeyError, match="no_such_patch"):
         apply_patches(torch.nn.Module(), ["no_such_patch"])
+
+
+def test_graph_code_digest_follows_the_patch_sources(monkeypatch):
+    """Cached programs and patched references are keyed by it: a patch edited means a new key."""
+    from harness import patches
+
+    patches.graph_code_digest.cache_clear()
+    before = patches.graph_code_digest()
+    monkeypatch.setattr(patches, "GRAPH_SOURCES", patches.GRAPH_SOURCES[:-1])
+    patches.graph_code_digest.cache_clear()
+    assert patches.graph_code_digest() != before
+    monkeypatch.undo()
+    patches.graph_code_digest.cache_clear()
+    assert patches.graph_code_digest() == before
