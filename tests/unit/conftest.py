@@ -23,3 +23,12 @@ def decoder_inputs():
     n = torch.randn(1, 2 * frames, generator=g)
     s = torch.randn(1, 128, generator=g)
     return asr, f0, n, s, frames
+
+
+def child_pytest_env(**extra: str) -> dict:
+    """The environment for a pytest run in a child process: without this run's PYTEST_* and xdist
+    variables or a PYTHONPATH a test left behind, so the child is a plain, fresh invocation."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+    return {**env, **extra}

@@ -48,7 +48,7 @@ def small_program(tmp_path_factory) -> tuple[Path, tuple]:
     return export(Small(), args, tmp_path_factory.mktemp("prog") / "program.pt2"), args
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def example_backends(tmp_path_factory):
     """The example package installed as a user would (pip, no network), into a directory that
     this process and its child jobs both see: entry points found through sys.path/PYTHONPATH."""

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.conftest import child_pytest_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_pytest(args, report_dir):
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:logging", "--report-dir", str(report_dir), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+    cmd = [sys.executable, "-m", "pytest", "tests/parity", "-p", "no:logging", "--report-dir", str(report_dir), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env())
 
 
 @pytest.mark.slow
@@ -44,14 +46,15 @@ def test_xnnpack_decoder_both_modes_and_golden(tmp_path):
 
 
 def test_ids_select_what_a_user_expects():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--backend=eager",
-                          "-k", "decoder and static"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", "--collect-only", "-q", "--backend=eager",
+                          "-k", "decoder and static"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=child_pytest_env())
     ids = [l for l in out.stdout.splitlines() if "::" in l]
     assert ids and all("-decoder-eager-static" in l for l in ids), out.stdout[-2000:]
     assert {l.split("[")[1].split("-")[0] for l in ids} >= {"en_short", "ja"}
 
 
 def test_unknown_backend_is_a_usage_error():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--backend=nope"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", "--collect-only", "-q", "--backend=nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_pytest_env())
     assert out.returncode != 0 and "unknown backend 'nope'" in (out.stdout + out.stderr)

@@ -3,7 +3,6 @@ exports each program once (a small matrix: the eager backend on two token steps,
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -11,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.conftest import child_pytest_env
+
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ["--backend=eager", "--case=en_short", "-k", "bert_encoder or (bert and not golden)", "-p", "no:logging"]
 
 
 def pytest_run(tmp_path, name, cache, *extra):
     out = tmp_path / name
-    env = {**os.environ, "KOKORO_PARITY_CACHE": str(cache)}
-    r = subprocess.run([sys.executable, "-m", "pytest", *MATRIX, "--report-dir", str(out), *extra],
+    env = child_pytest_env(KOKORO_PARITY_CACHE=str(cache))
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", *MATRIX, "--report-dir", str(out), *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=2400, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
