@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install parity matrix test bench clean-cache nightly dashboard
+.PHONY: install parity matrix test bench profile clean-cache nightly dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: install
 
 # Two xdist workers (the machines here have 2 cores; most slow tests wait on child processes), and
 # the slowest tests named at the end so that CI time stays visible.
+# Where a lowering's time and memory go, phase by phase (ARGS="--step f0n", "--lstm 32", ...).
+profile: install
+	$(BIN)/python benchmarks/profile_lowering.py $(ARGS)
+
 test: install
 	$(BIN)/pytest tests/unit -n 2 --durations=25 $(ARGS)
 

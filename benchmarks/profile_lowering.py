@@ -216,7 +216,7 @@ def install_probes(profiler: Profiler) -> list[Callable[[], None]]:
         (ExportedProgram, "run_decompositions", decomposition_label, graph_size),
         (ExportedProgram, "_validate", "verification (ExportedProgram._validate)", None),
         (exir, "to_edge_transform_and_lower", "to_edge_transform_and_lower", graph_size),
-        (_program, "_gen_edge_manager_for_partitioners", "to_edge (decompositions + edge dialect)", graph_size),
+        (_program, "_gen_edge_manager_for_partitioners", TO_EDGE, graph_size),
         (_program, "_generate_edge_program", "edge dialect conversion (passes)", graph_size),
         (XnnpackPartitioner, "ops_to_not_decompose", "partitioner.ops_to_not_decompose", None),
         (_program.EdgeProgramManager, "to_backend", "to_backend (partition + delegate)", graph_size),
@@ -233,6 +233,11 @@ def install_probes(profiler: Profiler) -> list[Callable[[], None]]:
         (_program.ExecutorchProgramManager, "buffer", "buffer (bytes of the .pte)", byte_count),
     ]
     return [profiler.wrap(owner, attr, name, describe) for owner, attr, name, describe in probes]
+
+
+EXPORT_JOB = "export job (harness.programs.export_step)"
+EXPORT_BARE = "export (bare nn.LSTM, --lstm)"
+TO_EDGE = "to_edge (decompositions + edge dialect)"
 
 
 # ---- one step ---------------------------------------------------------------------------------
@@ -259,6 +264,27 @@ def lstm_impl(impl: str):
         LengthAwareLSTM.__init__.__defaults__ = defaults
 
 
+def export_bare_lstm(steps: int, program_path: Path) -> dict:
+    """A bare bidirectional nn.LSTM of the shape of predictor.shared (640 -> 2 x 256), random
+    weights, over `steps` time steps: how the lowering scales with the steps that get unrolled."""
+    import torch
+
+    class BareLSTM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(640, 256, batch_first=True, bidirectional=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(1, steps, 640)}
+    with torch.no_grad():
+        program = torch.export.export(BareLSTM().eval(), tuple(inputs.values()), strict=False)
+    torch.export.save(program, str(program_path))
+    return inputs
+
+
 def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patches: list[str],
                  impl: str, workdir: Path) -> dict:
     """The harness's export job, then its compile job's audit and compile, under probes."""
@@ -273,12 +299,16 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
     with Profiler() as prof:
         restore = install_probes(prof)
         try:
-            with prof.phase("setup: model + traces (cached)"):
-                inputs, digest = step_inputs(case, step, mode)
-                inputs_path = _save_inputs(workdir, inputs)
             program_path = workdir / "program.pt2"
-            with prof.phase("export job (harness.programs.export_step)"), lstm_impl(impl):
-                export_step(None, digest, step, patches, str(inputs_path), str(program_path))
+            if step.startswith("lstm:"):
+                with prof.phase(EXPORT_BARE):
+                    inputs = export_bare_lstm(int(step[len("lstm:"):]), program_path)
+            else:
+                with prof.phase("setup: model + traces (cached)"):
+                    inputs, digest = step_inputs(case, step, mode)
+                    inputs_path = _save_inputs(workdir, inputs)
+                with prof.phase(EXPORT_JOB), lstm_impl(impl):
+                    export_step(None, digest, step, patches, str(inputs_path), str(program_path))
             out_dir = workdir / "artifact"
             out_dir.mkdir(exist_ok=True)
             with prof.phase("compile job: audit (XnnpackBackend.audit)"):
@@ -307,13 +337,12 @@ def _maxrss_mb() -> float:
 # ---- summary ----------------------------------------------------------------------------------
 
 # The issue's phases: (label, probe names, parent they must be called from or None, self time?).
-EXPORT_JOB, TO_EDGE = "export job (harness.programs.export_step)", "to_edge (decompositions + edge dialect)"
 SUMMARY = (
-    ("torch.export", ("torch.export.export",), EXPORT_JOB, False),
+    ("torch.export", ("torch.export.export",), (EXPORT_JOB, EXPORT_BARE), False),
     ("audit: run_decompositions (core ATen)", ("run_decompositions (core ATen table)",), None, False),
     ("to_edge: decompositions", ("run_decompositions({}) (functionalize only)", "run_decompositions (ExecuTorch table)"),
-     TO_EDGE, False),
-    ("to_edge: edge dialect conversion", ("edge dialect conversion (passes)",), TO_EDGE, False),
+     (TO_EDGE,), False),
+    ("to_edge: edge dialect conversion", ("edge dialect conversion (passes)",), (TO_EDGE,), False),
     ("verification (ExportedProgram._validate, everywhere)", ("verification (ExportedProgram._validate)",), None, True),
     ("partitioning (fake copy + tag + fuse)", ("fake copy of the program", "partitioning: tag supported nodes",
                                                "partitioning: fuse tagged subgraphs"), None, False),
@@ -326,7 +355,7 @@ SUMMARY = (
 def summarize(phases: list[dict]) -> list[dict]:
     rows = []
     for label, names, parent, use_self in SUMMARY:
-        chosen = [p for p in phases if p["name"] in names and parent in (None, p["parent"])]
+        chosen = [p for p in phases if p["name"] in names and (parent is None or p["parent"] in parent)]
         seconds = sum(p["self_s"] if use_self else p["total_s"] for p in chosen)
         graphs = [p["result"] for p in chosen if p["result"].get("nodes") is not None]
         rows.append({"phase": label, "calls": sum(p["calls"] for p in chosen), "wall_s": seconds,
@@ -371,12 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="xnnpack", help="xnnpack, or portable to see the cost without partitioning")
     ap.add_argument("--no-partition", action="store_true", help="same as --backend portable")
     ap.add_argument("--with-patch", action="append", default=[], help="extra patch (e.g. length_aware_lstm)")
+    ap.add_argument("--lstm", type=int, action="append", default=[], metavar="T",
+                    help="also profile a bare bidirectional nn.LSTM(640, 256) over T steps (repeatable)")
     ap.add_argument("--impl", default="aten", choices=("aten", "unrolled"), help="LengthAwareLSTM implementation")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "history")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child: one step, JSON on stdout
     args = ap.parse_args(argv)
     backend = "portable" if args.no_partition else args.backend
-    steps = args.step or ["duration_encoder", "f0n"]
+    steps = (args.step or ([] if args.lstm else ["duration_encoder", "f0n"])) + [f"lstm:{t}" for t in args.lstm]
 
     if args.one:
         with tempfile.TemporaryDirectory(prefix="kp-profile-") as tmp:
