@@ -254,7 +254,7 @@ def step_inputs(case: str, step: str, mode: str) -> tuple[dict, str]:
 def lstm_impl(impl: str):
     """The length_aware_lstm patch builds LengthAwareLSTM(child) with the default impl ("aten");
     this sets that default for the export in this process only."""
-    from harness.length_aware_lstm import LengthAwareLSTM
+    from harness.patches.length_aware_lstm import LengthAwareLSTM
 
     defaults = LengthAwareLSTM.__init__.__defaults__
     LengthAwareLSTM.__init__.__defaults__ = (impl,)

@@ -74,7 +74,7 @@ def source_line(node) -> str:
             frames.append((path, lineno, func, code))
     if not frames:
         return ""
-    inside = [f for f in frames if "/kokoro/" in f[0] or f[0].endswith("harness/patches.py")]
+    inside = [f for f in frames if "/kokoro/" in f[0] or "/harness/patches/" in f[0]]
     outside_torch = [f for f in frames if "site-packages/torch/" not in f[0]]
     path, lineno, func, code = (inside or outside_torch or frames)[-1]
     short = path.split("site-packages/")[-1]

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .length_aware_norm import provide_frame_lengths
+from .patches.length_aware_norm import provide_frame_lengths
 from .patches import NOISE_INPUTS, provide_noise, run_padded
 
 # Unit -> how many of it per token / alignment frame. `samples` = 600 per frame (24 kHz).

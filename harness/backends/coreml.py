@@ -13,7 +13,7 @@ from pathlib import Path
 from . import Backend
 from .tvm import COMMON_PATCHES
 
-# harness.backend_patches: `&` has no MIL lowering; rsqrt of an int constant is not promoted
+# harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted
 CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const")
 
 

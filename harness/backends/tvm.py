@@ -10,7 +10,7 @@ from . import Backend
 
 TARGET = "llvm"
 COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
-# harness.backend_patches: rewrites of spots the Relax frontend mistranslates
+# harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
 TVM_PATCHES = ("stft_phase_where",)
 
 

@@ -302,7 +302,7 @@ class Stft(nn.Module):
 
         from kokoro.custom_stft import CustomSTFT
 
-        from harness.backend_patches import _custom_stft_transform
+        from harness.patches.frontends import _custom_stft_transform
 
         self.stft = CustomSTFT(filter_length=20, hop_length=5, win_length=20)
         if patched:

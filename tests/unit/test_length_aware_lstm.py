@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.length_aware_lstm import (
+from harness.patches.length_aware_lstm import (
     LengthAwareLSTM,
     lengths_to_mask,
     packed_lstm_reference,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.length_aware_norm import masked_instance_norm
+from harness.patches.length_aware_norm import masked_instance_norm
 from harness.patches import PATCHES, apply_patches, sample_noise
 from harness.steps import get_step
 

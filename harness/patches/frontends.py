@@ -2,7 +2,7 @@
 
 Each rewrites a spot of Kokoro that a converter mistranslates into an equivalent the converter
 takes, so that the failure is recorded as the backend's known gap with its fix, not as the
-user's. Registered into `harness.patches.PATCHES` (imported at the end of harness/patches.py), so
+user's. Registered into `harness.patches.PATCHES` (imported at the end of harness/patches/__init__.py), so
 they come after the foundation's patches in the canonical order and see their rewrites.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import types
 import torch
 import torch.nn as nn
 
-from .patches import patch
+from . import patch
 
 
 # ---- CustomSTFT phase correction: boolean-mask index_put -> torch.where ----------------------

@@ -66,7 +66,8 @@ def canonical(names) -> tuple[str, ...]:
 
 # The sources that decide what a patched step computes. Cached programs and patched references
 # are keyed by their digest as well as by patch names, so editing a patch invalidates them.
-GRAPH_SOURCES = ("steps.py", "patches.py", "backend_patches.py", "length_aware_lstm.py", "length_aware_norm.py")
+GRAPH_SOURCES = ("steps.py", "patches/__init__.py", "patches/frontends.py", "patches/length_aware_lstm.py",
+                 "patches/length_aware_norm.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,7 +75,7 @@ def graph_code_digest() -> str:
     import hashlib
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # harness/
     h = hashlib.sha256()
     for name in GRAPH_SOURCES:
         path = here / name
@@ -286,7 +287,7 @@ def to_float64(model: nn.Module) -> nn.Module:
     return model
 
 
-from . import backend_patches  # noqa: E402,F401 - registers the backends' frontend-gap patches after these
+from . import frontends  # noqa: E402,F401 - registers the backends' frontend-gap patches after these
 
 
 @patch("length_aware_norm", True, "a static synthesizer that keeps the exact-length semantics: AdaIN's "
