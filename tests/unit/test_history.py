@@ -213,3 +213,35 @@ def test_an_entry_from_records_already_written(history_dir: Path, tmp_path: Path
     (records / "broken.json").write_text("{")
     with pytest.raises(HistoryError, match="broken.json"):
         record_run(records, history_dir)
+
+
+@pytest.mark.slow
+def test_make_nightly_twice_gives_two_entries_and_a_dashboard_with_both(tmp_path: Path):
+    """The issue's acceptance check, on the default model and a small real selection: two nightly runs
+    in a row write two history entries, find no regression between them, and the dashboard shows
+    both runs and a two-point trend for the item."""
+    import subprocess
+    import sys
+
+    from tests.unit.conftest import child_pytest_env
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "harness.cli", "nightly", "--backend", "eager", "--step", "bert_encoder",
+           "--case", "en_short", "--mode", "dynamic", "--report-dir", str(tmp_path / "reports"),
+           "--dashboard", str(tmp_path / "dashboard")]
+    for _ in range(2):
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800, env=child_pytest_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    history = load_history(tmp_path / "reports" / "history")
+    assert len(history.runs) == 2 and all(run.complete for run in history.runs)
+    assert [len(run.records) for run in history.runs] == [1, 1]
+    assert history.runs[0].records[0]["verdict"] == history.runs[1].records[0]["verdict"] == "pass"
+    site = tmp_path / "dashboard"
+    runs_page = (site / "runs.html").read_text()
+    assert all(run.id in runs_page for run in history.runs)
+    trends = (site / "trends.html").read_text()
+    from harness.dashboard import _labels
+
+    for label in _labels(history.runs):  # one x value per run on the item's trend
+        assert label in trends or json.dumps(label)[1:-1] in trends, f"the trends page lacks run {label!r}"
+    assert (site / "items" / "en_short-bert_encoder-eager-dynamic.html").is_file()
