@@ -218,7 +218,7 @@ def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
     its own; how far those patches move the model is reported beside it as the patch drift.
     """
     key = content_key("variant", TRACE_VERSION, model.digest, case.digest, torch.__version__, step, mode, variant,
-                      graph_code_digest() if variant else "")
+                      graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
@@ -278,7 +278,7 @@ def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, va
     """The e2e reference audio: the synthesizer in eager PyTorch on the exact lengths and the
     reference alignment, in fp32 and fp64, with the backend's semantics-changing patches."""
     key = content_key("synthesizer", TRACE_VERSION, model.digest, case.digest, torch.__version__, variant,
-                      graph_code_digest() if variant else "")
+                      graph_code_digest(tuple(variant)) if variant else "")
     step = get_step("synthesizer")
     chain = traces.chain
 

@@ -133,11 +133,15 @@ class Session:
         import torch
 
         shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
-        # export (once per step, shapes and patches; shared by every backend)
-        from .patches import graph_code_digest
+        # export (once per step, shapes and patches; shared by every backend). Only the patches that
+        # can change this step are applied and keyed, so a backend with an extra LSTM patch shares
+        # the decoder's program with the others.
+        from .patches import affecting, graph_code_digest
+
+        patches = list(affecting(patches, step))
 
         program_key = content_key("program", PROGRAM_VERSION, step, shapes, patches, self.model.digest,
-                                  torch.__version__, graph_code_digest())
+                                  torch.__version__, graph_code_digest(tuple(patches)))
         program_dir, result = self._cached_job(
             "programs", program_key, "exports", "harness.programs:export_step", self.limits.export_s,
             lambda tmp: dict(weights=self.weights, expected_digest=self.model.digest, step=step,

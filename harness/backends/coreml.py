@@ -13,29 +13,49 @@ from pathlib import Path
 from . import Backend
 from .tvm import COMMON_PATCHES
 
-# harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted
-CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const")
+# harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted;
+# aten.lstm has no MIL lowering in the EXIR frontend
+CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const", "unrolled_lstm")
 
 
 def _inference_ir(program):
-    """coremltools takes the ATen inference IR: run_decompositions with an empty table."""
-    return program.run_decompositions({})
+    """coremltools takes the ATen inference IR (run_decompositions with an empty table), with
+    torch's own decompositions of the ops its frontend cannot lower (ALBERT's `new_ones`: 'Unsupported
+    fx node new_ones'), so that a gap torch can close is not the user's failure."""
+    from torch._decomp import decomposition_table
+
+    ir = program.run_decompositions({})
+    gaps = mil_gaps(ir)["ops_without_mil_lowering"]
+    table = {op: decomposition_table[op] for op in _ops(ir) if op in decomposition_table and _kind(op) in gaps}
+    if not table:
+        return ir
+    decomposed = ir.run_decompositions(table)
+    # kept only if it closes gaps without opening others (special_bessel_j0 -> prims::bessel_j0 does not)
+    return decomposed if set(mil_gaps(decomposed)["ops_without_mil_lowering"]) < set(gaps) else ir
+
+
+def _kind(target) -> str:
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import sanitize_op_kind
+
+    try:
+        kind = target.name()
+    except Exception:  # noqa: BLE001 - operator.getitem and friends have no name()
+        kind = getattr(target, "__name__", str(target))
+    return sanitize_op_kind(kind)
+
+
+def _ops(program) -> Counter:
+    return Counter(node.target for node in program.graph.nodes if node.op == "call_function")
 
 
 def mil_gaps(program) -> dict:
     """Ops of the program that coremltools' torch frontend has no MIL lowering for (its registry,
     looked up the way its EXIR frontend names nodes)."""
-    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, sanitize_op_kind
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
 
     ops: Counter = Counter()
-    for node in program.graph.nodes:
-        if node.op != "call_function":
-            continue
-        try:
-            kind = node.target.name()
-        except Exception:  # noqa: BLE001 - operator.getitem and friends have no name()
-            kind = getattr(node.target, "__name__", str(node.target))
-        ops[sanitize_op_kind(kind)] += 1
+    for target, n in _ops(program).items():
+        ops[_kind(target)] += n
     return {"ops_without_mil_lowering": {k: v for k, v in sorted(ops.items()) if k not in _TORCH_OPS_REGISTRY},
             "n_ops": sum(ops.values())}
 

@@ -121,7 +121,9 @@ def tvm_onnx_gaps(model) -> dict:
 class TvmOnnxBackend(Backend):
     name = "tvm-onnx"
     requires = ("tvm", "onnx", "onnxscript")
-    patches = ONNX_PATCHES
+    # TVM 0.27's Relax ONNX frontend has no LSTM converter ("OpNotImplemented: ... LSTM"): the LSTM
+    # steps get the cell written out (unrolled_lstm); every other step shares onnxruntime's ONNX file
+    patches = ONNX_PATCHES + ("unrolled_lstm",)
     artifact_name = "model.so"
     description = "the ONNX file of `onnxruntime` through TVM Relax's ONNX frontend (llvm, Relax VM)"
 

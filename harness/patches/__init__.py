@@ -26,6 +26,7 @@ class Patch:
     apply: Callable[[nn.Module], None]
     why: str
     affects: tuple[str, ...] | None = None  # the steps whose function it can change (None: any)
+    sources: tuple[str, ...] = ()  # files under harness/ that decide what it computes
 
 
 PATCHES: dict[str, Patch] = {}
@@ -33,9 +34,14 @@ LSTM_STEPS = ("duration_encoder", "duration", "f0n", "text_encoder", "duration_s
 VOCODER_STEPS = ("decoder", "generator", "synthesizer")  # the e2e stages contain the steps they join
 
 
-def patch(name: str, preserves_semantics: bool, why: str, affects: tuple[str, ...] | None = None):
+def patch(name: str, preserves_semantics: bool, why: str, affects: tuple[str, ...] | None = None,
+          uses: tuple[str, ...] = ()):
+    """Register a patch. `uses`: the modules of harness/patches/ it imports, besides its own file."""
     def register(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
-        PATCHES[name] = Patch(name, preserves_semantics, fn, why, affects)
+        own = fn.__module__.split(".", 1)[1].replace(".", "/")  # harness.patches.frontends -> patches/frontends
+        own = own + ("/__init__.py" if own == "patches" else ".py")
+        sources = tuple(dict.fromkeys((own, *(f"patches/{u}.py" for u in uses))))
+        PATCHES[name] = Patch(name, preserves_semantics, fn, why, affects, sources)
         return fn
 
     return register
@@ -64,20 +70,25 @@ def canonical(names) -> tuple[str, ...]:
     return tuple(n for n in PATCHES if n in set(names))
 
 
-# The sources that decide what a patched step computes. Cached programs and patched references
-# are keyed by their digest as well as by patch names, so editing a patch invalidates them.
-GRAPH_SOURCES = ("steps.py", "patches/__init__.py", "patches/frontends.py", "patches/length_aware_lstm.py",
-                 "patches/length_aware_norm.py")
+# The sources that decide what a patched step computes: the steps, the registry (which also holds
+# the LSTM strategies every LSTM step goes through), and the files of the patches applied. Cached
+# programs and patched references are keyed by this digest as well as by patch names, so editing a
+# patch invalidates exactly the entries made with it (a Core ML frontend patch edited leaves the
+# XNNPACK programs cached).
+BASE_SOURCES = ("steps.py", "patches/__init__.py")
 
 
-@functools.lru_cache(maxsize=1)
-def graph_code_digest() -> str:
+@functools.lru_cache(maxsize=64)
+def graph_code_digest(names: tuple[str, ...] | None = None) -> str:
+    """Digest of BASE_SOURCES and the sources of the patches `names` (None: every patch)."""
     import hashlib
     from pathlib import Path
 
     here = Path(__file__).resolve().parent.parent  # harness/
+    chosen = PATCHES if names is None else canonical(names)
+    files = dict.fromkeys((*BASE_SOURCES, *(f for n in chosen for f in PATCHES[n].sources)))
     h = hashlib.sha256()
-    for name in GRAPH_SOURCES:
+    for name in files:
         path = here / name
         h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
     return h.hexdigest()[:16]
@@ -248,7 +259,8 @@ def _no_packing(model: nn.Module) -> None:
 
 
 @patch("length_aware_lstm", True, "a static export that keeps packed semantics: each LSTM takes the "
-       "sequence lengths, the reverse direction starts at each sequence's last valid step", affects=LSTM_STEPS)
+       "sequence lengths, the reverse direction starts at each sequence's last valid step", affects=LSTM_STEPS,
+       uses=("length_aware_lstm",))
 def _length_aware_lstm(model: nn.Module) -> None:
     from .length_aware_lstm import LengthAwareLSTM
 
@@ -292,7 +304,7 @@ from . import frontends  # noqa: E402,F401 - registers the backends' frontend-ga
 
 @patch("length_aware_norm", True, "a static synthesizer that keeps the exact-length semantics: AdaIN's "
        "InstanceNorm over each sequence's valid frames, zeros past the length wherever a conv reads, "
-       "the vocoder's STFT edges as on the exact length", affects=("f0n", "synthesizer"))
+       "the vocoder's STFT edges as on the exact length", affects=("f0n", "synthesizer"), uses=("length_aware_norm",))
 def _length_aware_norm(model: nn.Module) -> None:
     from .length_aware_norm import apply_length_aware_norm
 

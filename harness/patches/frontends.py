@@ -12,7 +12,7 @@ import types
 import torch
 import torch.nn as nn
 
-from . import patch
+from . import LSTM_STEPS, patch
 
 
 # ---- CustomSTFT phase correction: boolean-mask index_put -> torch.where ----------------------
@@ -68,3 +68,33 @@ def _rsqrt_float_const(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, AdainResBlk1d):
             m.forward = types.MethodType(_adain_resblk_forward, m)
+
+
+# ---- aten.lstm, written out ------------------------------------------------------------------
+# coremltools 9's EXIR frontend has no MIL lowering for `aten.lstm.input` ("Unsupported fx node
+# lstm, kind lstm.input"), and TVM's Relax ONNX frontend has no converter for the ONNX `LSTM`
+# node. The cell written out step by step (LengthAwareLSTM, impl="unrolled": matmuls, sigmoid,
+# tanh, mul, add) is what every converter takes. T is static in every export of the harness.
+
+def run_full_length(lstm: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """no_packing's semantics (every step read, padding included) through a LengthAwareLSTM."""
+    return lstm(x, torch.full((x.shape[0],), x.shape[1], dtype=torch.int64))
+
+
+@patch("unrolled_lstm", True, "coremltools has no MIL lowering for aten.lstm and TVM's ONNX frontend "
+       "no LSTM converter; the same LSTM cell written out per time step (matmul, sigmoid, tanh) keeps "
+       "whatever packing semantics the other patches chose", affects=LSTM_STEPS,
+       uses=("length_aware_lstm",))
+def _unrolled_lstm(model: nn.Module) -> None:
+    from . import run_length_aware, run_padded, set_lstm_strategy
+    from .length_aware_lstm import LengthAwareLSTM
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.LSTM:
+                setattr(parent, name, LengthAwareLSTM(child, impl="unrolled"))
+            elif isinstance(child, LengthAwareLSTM):
+                child.impl = "unrolled"
+    current = getattr(model, "_parity_run_lstm", None)
+    if current is not run_length_aware:  # padded (no_packing) stays padded; packing becomes length-aware
+        set_lstm_strategy(model, run_full_length if current is run_padded else run_length_aware)

@@ -164,6 +164,28 @@ def test_coreml_audit_lists_ops_without_a_mil_lowering(exotic_program):
     assert mil_gaps(_inference_ir(exotic_program))["ops_without_mil_lowering"] == {"special_bessel_j0": 1}
 
 
+class NewOnes(nn.Module):
+    """What ALBERT does with its attention mask."""
+    def forward(self, x):
+        return x * x.new_ones(x.shape)
+
+
+def test_coreml_gets_torchs_decomposition_of_ops_it_cannot_lower(tmp_path):
+    """coremltools 9: 'Unsupported fx node new_ones' (bert). The backend decomposes ops without a
+    MIL lowering that torch can decompose; the raw inference IR still has the gap."""
+    ct = pytest.importorskip("coremltools")
+    from harness.backends.coreml import _inference_ir, mil_gaps
+
+    with torch.no_grad():
+        program = torch.export.export(NewOnes(), (torch.randn(2, 3),), strict=False)
+    raw = program.run_decompositions({})
+    assert mil_gaps(raw)["ops_without_mil_lowering"] == {"new_ones": 1}
+    with pytest.raises(Exception, match="new_ones"):
+        ct.convert(raw, convert_to="mlprogram", skip_model_load=True)
+    assert mil_gaps(_inference_ir(program))["ops_without_mil_lowering"] == {}
+    ct.convert(_inference_ir(program), convert_to="mlprogram", skip_model_load=True)
+
+
 class MaskAnd(nn.Module):
     def forward(self, a, b):
         return torch.where((a == 0) & (b < 0), torch.full_like(a, 3.0), a + b)

@@ -121,3 +121,29 @@ def test_f0n_shared_lstm_on_a_frame_bucket(models):
             assert rel(la[b:b + 1, : lengths[b]], exact) < 1e-6
         assert max(rel(pad[b:b + 1, : n], models["kokoro"].predictor.shared(x)[0])
                    for b, (n, x) in enumerate(zip(lengths, xs))) > 1e-3
+
+
+@pytest.mark.parametrize("base", [["no_packing"], ["no_packing", "length_aware_lstm"]])
+def test_unrolled_lstm_keeps_the_semantics_and_leaves_no_aten_lstm(models, base):
+    """`unrolled_lstm` (for converters without an LSTM lowering) computes what the LSTM it replaces
+    computes, padded or length-aware, and its export has no aten.lstm left (the plain one has)."""
+    assert PATCHES["unrolled_lstm"].preserves_semantics
+    g = torch.Generator().manual_seed(3)
+    T = 12
+    L, mask, ids = batch_inputs([8], T, g)
+    d_en = torch.randn(1, 512, T, generator=g).masked_fill(mask[:, None, :], 0)
+    args = (d_en, torch.randn(1, 128, generator=g), L, mask)
+    st = get_step("duration_encoder")
+    plain = st.module(apply_patches(models["kokoro"], base + ["dropout_identity"]))
+    unrolled = st.module(apply_patches(models["kokoro"], base + ["dropout_identity", "unrolled_lstm"]))
+    with torch.no_grad():
+        assert rel(unrolled(*args), plain(*args)) < 1e-6
+        for text_args in ((ids, L, mask),):
+            te = get_step("text_encoder")
+            a = te.module(apply_patches(models["kokoro"], base + ["unrolled_lstm"]))(*text_args)
+            assert rel(a, te.module(apply_patches(models["kokoro"], base))(*text_args)) < 1e-6
+        lstm_ops = {}
+        for name, module in (("plain", plain), ("unrolled", unrolled)):
+            program = torch.export.export(module, args, strict=False).run_decompositions({})
+            lstm_ops[name] = sum("lstm" in str(n.target) for n in program.graph.nodes if n.op == "call_function")
+    assert lstm_ops["plain"] > 0 and lstm_ops["unrolled"] == 0

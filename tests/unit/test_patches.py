@@ -125,15 +125,29 @@ def test_unknown_patch_is_named():
         apply_patches(torch.nn.Module(), ["no_such_patch"])
 
 
-def test_graph_code_digest_follows_the_patch_sources(monkeypatch):
-    """Cached programs and patched references are keyed by it: a patch edited means a new key."""
+def test_graph_code_digest_follows_the_sources_of_the_applied_patches(monkeypatch):
+    """Cached programs and patched references are keyed by it: an edited patch means a new key for
+    the entries made with that patch, and for no other."""
     from harness import patches
 
-    patches.graph_code_digest.cache_clear()
-    before = patches.graph_code_digest()
-    monkeypatch.setattr(patches, "GRAPH_SOURCES", patches.GRAPH_SOURCES[:-1])
-    patches.graph_code_digest.cache_clear()
-    assert patches.graph_code_digest() != before
+    digest = patches.graph_code_digest
+    assert PATCHES["unrolled_lstm"].sources == ("patches/frontends.py", "patches/length_aware_lstm.py")
+    assert PATCHES["fold_weight_norm"].sources == ("patches/__init__.py",)
+    assert digest(("fold_weight_norm", "no_packing")) == digest(())  # both in the registry module
+    assert len({digest(()), digest(("length_aware_lstm",)), digest(("unrolled_lstm",)),
+                digest(("stft_phase_where",))}) == 4
+    assert digest(("length_aware_lstm", "no_packing")) == digest(("no_packing", "length_aware_lstm"))
+    before = digest(("stft_phase_where",)), digest(("length_aware_lstm",))
+    monkeypatch.setattr(patches, "BASE_SOURCES", patches.BASE_SOURCES[:-1])
+    digest.cache_clear()
+    assert digest(("stft_phase_where",)) != before[0]
     monkeypatch.undo()
-    patches.graph_code_digest.cache_clear()
-    assert patches.graph_code_digest() == before
+    import dataclasses
+
+    monkeypatch.setitem(patches.PATCHES, "stft_phase_where",  # as if its file were edited
+                        dataclasses.replace(PATCHES["stft_phase_where"], sources=()))
+    digest.cache_clear()
+    assert digest(("stft_phase_where",)) != before[0] and digest(("length_aware_lstm",)) == before[1]
+    monkeypatch.undo()
+    digest.cache_clear()
+    assert digest(("stft_phase_where",)) == before[0]
