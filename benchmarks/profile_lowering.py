@@ -329,9 +329,10 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
 
 
 def _maxrss_mb() -> float:
-    import resource
+    """VmHWM, not ru_maxrss (which, after a fork from a larger parent, starts at the parent's RSS)."""
+    from harness.jobs import own_peak_rss_mb
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return own_peak_rss_mb()
 
 
 # ---- summary ----------------------------------------------------------------------------------

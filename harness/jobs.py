@@ -49,10 +49,10 @@ def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float
         proc = subprocess.Popen([sys.executable, "-m", "harness.jobs", str(workdir)], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        status, rusage = _wait(proc, timeout)
+        status, polled_peak = _wait(proc, timeout)
     seconds = time.monotonic() - start
-    peak = rusage.ru_maxrss / 1024 if rusage else 0.0
     tail = _tail(log_path)
+    peak = polled_peak
     if status == "timeout":
         return JobResult("timeout", error=f"no result after {timeout:.0f} s (killed)", seconds=seconds,
                          peak_rss_mb=peak, log_tail=tail)
@@ -66,22 +66,50 @@ def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float
         return JobResult("crashed", error=f"child exited with code {status} and no result", seconds=seconds,
                          peak_rss_mb=peak, log_tail=tail)
     r = json.loads(result_path.read_text())
+    peak = max(peak, r.get("peak_rss_mb", 0.0))
     return JobResult(r["status"], value=r.get("value"), error=r.get("error", ""), traceback=r.get("traceback", ""),
                      seconds=seconds, peak_rss_mb=peak, log_tail=tail)
 
 
-def _wait(proc: subprocess.Popen, timeout: float):
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int | str, float]:
+    """(exit status or "timeout", the child's peak RSS in MB as last seen in /proc).
+
+    Not wait4's ru_maxrss: a forked child starts with the parent's resident pages counted in its
+    high-water mark and keeps that figure across exec, so a 3 GB pytest process made every child
+    report at least 3 GB. /proc/<pid>/status VmHWM belongs to the exec'd image alone; polling it
+    also gives a figure for a child the OOM killer ends."""
     deadline = time.monotonic() + timeout
+    peak = 0.0
     while True:
-        pid, code, rusage = os.wait4(proc.pid, os.WNOHANG)
+        peak = max(peak, _vm_hwm_mb(proc.pid))
+        pid, code, _ = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(code)
-            return proc.returncode, rusage
+            return proc.returncode, peak
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            _, code, rusage = os.wait4(proc.pid, 0)
-            return "timeout", rusage
+            os.wait4(proc.pid, 0)
+            return "timeout", peak
         time.sleep(0.05)
+
+
+def _vm_hwm_mb(pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak RSS since exec, and that of the processes it started and reaped (whose
+    figures can only exceed ours by their own allocations: they forked from us)."""
+    import resource
+
+    return max(_vm_hwm_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -109,6 +137,7 @@ def _child(workdir: Path) -> None:
                   "value": getattr(e, "partial", None)}  # what the job knew before failing (an audit)
         traceback.print_exc()
     result["seconds_in_child"] = time.monotonic() - start
+    result["peak_rss_mb"] = own_peak_rss_mb()
     atomic_write_json(workdir / "result.json", result)
 
 

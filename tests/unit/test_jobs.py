@@ -31,6 +31,34 @@ def test_ok(tmp_path):
     assert r.ok and r.value == {"double": 42} and r.peak_rss_mb > 0
 
 
+def allocating_job(mb: int) -> int:
+    block = bytearray(mb * 2**20)
+    for i in range(0, len(block), 4096):  # touch every page
+        block[i] = 1
+    return len(block)
+
+
+def allocate_then_segfault(mb: int) -> None:
+    allocating_job(mb)
+    time.sleep(0.5)  # long enough for the parent's /proc poll to see the high-water mark
+    segfault_job()
+
+
+def test_peak_memory_is_the_childs_own_not_its_parents(tmp_path):
+    """wait4's ru_maxrss would report the parent's RSS at fork for any child; a 700 MB parent
+    must not make an idle child look like a 700 MB job, and an allocating child must show its own."""
+    ballast = bytearray(700 * 2**20)
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    idle = run_job("tests.unit.test_jobs:ok_job", {"x": 1}, tmp_path / "idle", timeout=120)
+    busy = run_job("tests.unit.test_jobs:allocating_job", {"mb": 400}, tmp_path / "busy", timeout=120)
+    crashed = run_job("tests.unit.test_jobs:allocate_then_segfault", {"mb": 400}, tmp_path / "crash", timeout=120)
+    del ballast
+    assert 0 < idle.peak_rss_mb < 500, idle.peak_rss_mb
+    assert busy.peak_rss_mb - idle.peak_rss_mb > 350, (busy.peak_rss_mb, idle.peak_rss_mb)
+    assert crashed.status == "crashed" and crashed.peak_rss_mb > 350
+
+
 def test_exception_gives_first_error_line_and_traceback(tmp_path):
     r = run_job("tests.unit.test_jobs:failing_job", {}, tmp_path, timeout=120)
     assert r.status == "error" and r.error == "ValueError: bad tensor 'asr'"
