@@ -20,11 +20,23 @@ CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const", "unrolled_lstm")
 
 def _inference_ir(program):
     """coremltools takes the ATen inference IR (run_decompositions with an empty table), with
-    torch's own decompositions of the ops its frontend cannot lower (ALBERT's `new_ones`: 'Unsupported
-    fx node new_ones'), so that a gap torch can close is not the user's failure."""
+    `__and__` renamed to `bitwise_and` and torch's own decompositions of the ops its frontend cannot
+    lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap the harness can close
+    is not the user's failure."""
     from torch._decomp import decomposition_table
 
+    import torch
+
     ir = program.run_decompositions({})
+    # `a & b` of two masks is aten.__and__, which has no MIL lowering while bitwise_and has (ALBERT's
+    # attention mask; CustomSTFT's phase mask); the same op under another name
+    renamed = 0
+    for node in ir.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.__and__.Tensor:
+            node.target = torch.ops.aten.bitwise_and.Tensor
+            renamed += 1
+    if renamed:
+        ir.graph_module.recompile()
     gaps = mil_gaps(ir)["ops_without_mil_lowering"]
     table = {op: decomposition_table[op] for op in _ops(ir) if op in decomposition_table and _kind(op) in gaps}
     if not table:

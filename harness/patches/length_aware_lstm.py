@@ -16,8 +16,8 @@ outputs afterwards cannot undo that.
   reverse weights, zeroed after the length, and reversed back with the same index (it is its own
   inverse). The padding stays after the valid steps, so again it cannot reach a valid output.
 
-Padded outputs are exactly zero, as ``pad_packed_sequence`` gives (and ``torch.where`` is used
-rather than a multiply, so NaN or Inf in the padding does not leak either).
+Padded outputs are exactly zero, as ``pad_packed_sequence`` gives (``torch.where`` on the inputs,
+so NaN or Inf in the padding does not leak either).
 
 Two implementations, the same maths:
 
@@ -26,7 +26,8 @@ Two implementations, the same maths:
   does) unrolls it into addmm/sigmoid/tanh per time step. Returns outputs only.
 * ``impl="unrolled"``: the cell written out step by step, both directions batched through
   ``bmm``, with the state frozen after each sequence's last valid step. No ``aten.lstm`` in the
-  graph. ``forward_with_state`` always uses this path, because only here are the final states
+  graph, and only ops that XNNPACK delegates inside the loop (3 delegate subgraphs instead of
+  T + 3). ``forward_with_state`` always uses this path, because only here are the final states
   (h_n, c_n) at each sequence's last valid step available (aten.lstm does not expose the cell
   state per step, so c_n is not cheap there). Kokoro discards the final states anyway.
 
@@ -203,35 +204,42 @@ class LengthAwareLSTM(nn.Module):
 
     def _unrolled(self, x: Tensor, lengths: Tensor, hx: Optional[Tuple[Tensor, Tensor]]
                   ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        """The cell per time step, written with the ops a delegate takes: the step's gates by
+        slicing and reshaping (not `select`/`split`, which ExecuTorch lowers to select_copy and
+        split_with_sizes_copy) and the freeze after the length as `new*m + old*(1-m)` with m in
+        {0, 1} (exact; not `where`, which XNNPACK has no kernel for). Each of those breaks the
+        XNNPACK partition at every step: T+3 delegate subgraphs for aten.lstm, 3 here. The padding
+        is zeroed once before the loop, so NaN or Inf in it cannot reach the state through m = 0."""
         B, T, _ = x.shape
         D, H = self.num_directions, self.hidden_size
         h, c = self._initial_state(x, hx)  # [D, B, H]
-        valid = lengths_to_mask(lengths, T)  # [B, T]
+        valid_b = lengths_to_mask(lengths, T)  # [B, T]
+        x = torch.where(valid_b.unsqueeze(-1), x, torch.zeros_like(x))
+        valid = valid_b.to(x.dtype)
         xs = [x]
         if self.bidirectional:
             idx = _reverse_index(lengths, T).unsqueeze(-1)
             xs.append(torch.gather(x, 1, idx.expand(-1, -1, x.shape[2])))
         params = [self._direction_params(d) for d in range(D)]
         w_ih = torch.stack([p[0] for p in params])  # [D, 4H, C]
-        w_hh = torch.stack([p[1] for p in params])  # [D, 4H, H]
+        w_hh_t = torch.stack([p[1] for p in params]).transpose(1, 2)  # [D, H, 4H]
         # Input projection for all steps at once: [D, B, T, 4H].
         gx = torch.matmul(torch.stack(xs), w_ih.transpose(1, 2).unsqueeze(1))
         if self.bias:
             b = torch.stack([p[2] + p[3] for p in params])  # [D, 4H]
             gx = gx + b[:, None, None, :]
-        w_hh_t = w_hh.transpose(1, 2)  # [D, H, 4H]
-        zero = torch.zeros_like(h)
         ys = []
         for t in range(T):
-            g = gx[:, :, t, :] + torch.bmm(h, w_hh_t)  # [D, B, 4H]
-            i, f, gg, o = g.split(H, dim=-1)
+            g = gx[:, :, t:t + 1, :].reshape(D, B, 4 * H) + torch.bmm(h, w_hh_t)  # [D, B, 4H]
+            i, f, gg, o = (g[..., k * H:(k + 1) * H] for k in range(4))
             c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(gg)
             h_new = torch.sigmoid(o) * torch.tanh(c_new)
-            m = valid[:, t].view(1, B, 1)
-            c = torch.where(m, c_new, c)
-            h = torch.where(m, h_new, h)
-            ys.append(torch.where(m, h_new, zero))
-        y = torch.stack(ys, dim=2)  # [D, B, T, H]
+            m = valid[:, t:t + 1].reshape(1, B, 1)
+            keep = 1 - m
+            c = c_new * m + c * keep
+            h = h_new * m + h * keep
+            ys.append((h_new * m).reshape(D, B, 1, H))
+        y = torch.cat(ys, dim=2)  # [D, B, T, H]
         outs = [y[0]]
         if self.bidirectional:
             outs.append(torch.gather(y[1], 1, idx.expand(-1, -1, H)))

@@ -234,3 +234,34 @@ def test_torch_export_static(impl):
             assert max_rel(y, eager) <= 1e-6
             assert rel(y, ref) <= 1e-6
             assert torch.count_nonzero(y[0, n:]) == 0
+
+
+def test_unrolled_impl_stays_in_few_xnnpack_partitions():
+    """Finding 6: ExecuTorch's decomposition of aten.lstm leaves split_with_sizes_copy / select_copy
+    / where in every time step, which the XNNPACK partitioner does not take, so each step is its own
+    delegate subgraph (T + 3). The unrolled impl is written with ops XNNPACK takes: 3, for any T."""
+    pytest.importorskip("executorch")
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import to_edge_transform_and_lower
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(16, 8, batch_first=True, bidirectional=True).eval()
+    T = 6
+
+    class Wrap(nn.Module):
+        def __init__(self, impl):
+            super().__init__()
+            self.lstm = LengthAwareLSTM(lstm, impl=impl)
+
+        def forward(self, x, lengths):
+            return self.lstm(x, lengths)
+
+    x, lengths = torch.randn(1, T, 16), torch.tensor([4])
+    subgraphs = {}
+    for impl in ("aten", "unrolled"):
+        with torch.no_grad():
+            program = torch.export.export(Wrap(impl), (x, lengths), strict=False)
+        lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+        subgraphs[impl] = get_delegation_info(lowered.exported_program().graph_module).num_delegated_subgraphs
+    assert subgraphs["aten"] >= T and subgraphs["unrolled"] <= 3, subgraphs
