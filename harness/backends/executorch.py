@@ -28,7 +28,7 @@ class XnnpackBackend(Backend):
     requires = ("executorch",)
     # unrolled_lstm: ExecuTorch's decomposition of aten.lstm cuts the XNNPACK partition at every time
     # step (T + 3 delegate subgraphs); the cell written with ops XNNPACK takes gives 3 per LSTM. The
-    # en_short duration encoder: 17 subgraphs instead of 206, 3.3x less lowering CPU, 1 GB less peak
+    # en_short duration encoder: 17 subgraphs instead of 206, 3.1x less compile CPU, 1 GB less peak
     # (README finding 6). The portable backend inherits it, so both run the same program.
     patches = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft", "unrolled_lstm")
     artifact_name = "program.pte"
