@@ -262,15 +262,22 @@ def _no_packing(model: nn.Module) -> None:
        "sequence lengths, the reverse direction starts at each sequence's last valid step", affects=LSTM_STEPS,
        uses=("length_aware_lstm",))
 def _length_aware_lstm(model: nn.Module) -> None:
+    swap_lstms(model)
+    set_lstm_strategy(model, run_length_aware)
+
+
+def swap_lstms(model: nn.Module, impl: str | None = None) -> None:
+    """Every nn.LSTM becomes a LengthAwareLSTM (the module itself is swapped: same Parameter objects,
+    same state-dict keys, so export sees the weights as the model's parameters); `impl` given, every
+    LengthAwareLSTM, swapped now or before, uses it."""
     from .length_aware_lstm import LengthAwareLSTM
 
-    # Swap the modules themselves (same Parameter objects, same state-dict keys), so that export
-    # sees the weights as the model's parameters.
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.LSTM:
-                setattr(parent, name, LengthAwareLSTM(child))
-    set_lstm_strategy(model, run_length_aware)
+                setattr(parent, name, LengthAwareLSTM(child, **({"impl": impl} if impl else {})))
+            elif impl and isinstance(child, LengthAwareLSTM):
+                child.impl = impl
 
 
 # ---- STFT ---------------------------------------------------------------------------------

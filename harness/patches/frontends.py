@@ -86,15 +86,9 @@ def run_full_length(lstm: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> 
        "whatever packing semantics the other patches chose", affects=LSTM_STEPS,
        uses=("length_aware_lstm",))
 def _unrolled_lstm(model: nn.Module) -> None:
-    from . import run_length_aware, run_padded, set_lstm_strategy
-    from .length_aware_lstm import LengthAwareLSTM
+    from . import run_length_aware, run_padded, set_lstm_strategy, swap_lstms
 
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.LSTM:
-                setattr(parent, name, LengthAwareLSTM(child, impl="unrolled"))
-            elif isinstance(child, LengthAwareLSTM):
-                child.impl = "unrolled"
+    swap_lstms(model, impl="unrolled")
     current = getattr(model, "_parity_run_lstm", None)
     if current is not run_length_aware:  # padded (no_packing) stays padded; packing becomes length-aware
         set_lstm_strategy(model, run_full_length if current is run_padded else run_length_aware)
