@@ -51,9 +51,17 @@ def unused_submodels(program, module) -> list[str]:
         return []
     sig = program.graph_signature
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    used = {lifted[n.name] for n in program.graph.nodes if n.op == "placeholder" and n.name in lifted and n.users}
+    state = program.state_dict
+    # by identity, not by name: a tensor reachable by several paths (the e2e stages hold the step
+    # modules, which hold kmodel again) is lifted under one of its names
+    used = {id(state[lifted[n.name]]) for n in program.graph.nodes
+            if n.op == "placeholder" and n.name in lifted and n.users and lifted[n.name] in state}
+    mine = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    if not used <= set(mine):  # the program's tensors are not the module's: keep everything
+        return []
     return [name for name, child in kmodel.named_children()
-            if any(True for _ in child.parameters()) and not any(u.startswith(f"kmodel.{name}.") for u in used)]
+            if any(True for _ in child.parameters())
+            and not any(id(t) in used for t in (*child.parameters(), *child.buffers()))]
 
 
 def op_counts(program_path: Path) -> dict[str, int]:
