@@ -23,18 +23,16 @@ def _inference_ir(program):
     `__and__` renamed to `bitwise_and` and torch's own decompositions of the ops its frontend cannot
     lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap the harness can close
     is not the user's failure."""
+    import torch
     from torch._decomp import decomposition_table
 
-    import torch
-
+    # the same op under a name coremltools lowers: `a & b` of masks is aten.__and__, which has no MIL
+    # lowering while bitwise_and has (ALBERT's attention mask; CustomSTFT's phase mask)
+    aliases = {torch.ops.aten.__and__.Tensor: torch.ops.aten.bitwise_and.Tensor}
     ir = program.run_decompositions({})
-    # `a & b` of two masks is aten.__and__, which has no MIL lowering while bitwise_and has (ALBERT's
-    # attention mask; CustomSTFT's phase mask); the same op under another name
-    renamed = 0
-    for node in ir.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.__and__.Tensor:
-            node.target = torch.ops.aten.bitwise_and.Tensor
-            renamed += 1
+    renamed = [node for node in ir.graph.nodes if node.op == "call_function" and node.target in aliases]
+    for node in renamed:
+        node.target = aliases[node.target]
     if renamed:
         ir.graph_module.recompile()
     gaps = mil_gaps(ir)["ops_without_mil_lowering"]

@@ -79,14 +79,13 @@ BASE_SOURCES = ("steps.py", "patches/__init__.py")
 
 
 @functools.lru_cache(maxsize=64)
-def graph_code_digest(names: tuple[str, ...] | None = None) -> str:
-    """Digest of BASE_SOURCES and the sources of the patches `names` (None: every patch)."""
+def graph_code_digest(names: tuple[str, ...]) -> str:
+    """Digest of BASE_SOURCES and the sources of the patches `names`."""
     import hashlib
     from pathlib import Path
 
     here = Path(__file__).resolve().parent.parent  # harness/
-    chosen = PATCHES if names is None else canonical(names)
-    files = dict.fromkeys((*BASE_SOURCES, *(f for n in chosen for f in PATCHES[n].sources)))
+    files = dict.fromkeys((*BASE_SOURCES, *(f for n in canonical(names) for f in PATCHES[n].sources)))
     h = hashlib.sha256()
     for name in files:
         path = here / name
