@@ -31,7 +31,7 @@ WORK = re.compile(r"work: exports (\d+), compiles (\d+), runs (\d+); cache: prog
 def run_pytest(args: list[str], cache: Path, report_dir: Path) -> dict:
     env = {**os.environ, "KOKORO_PARITY_CACHE": str(cache)}
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:logging", "-q", "--report-dir", str(report_dir)],
+    r = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:logging", "-q", f"--report-dir={report_dir}"],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     m = WORK.search(r.stdout)

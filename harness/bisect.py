@@ -344,7 +344,7 @@ class Bisector:
         run_dir.mkdir(parents=True, exist_ok=True)
         outputs_path.unlink(missing_ok=True)
         run_kwargs = dict(backend=self.backend.name, inputs_path=str(inputs_path), outputs_path=str(outputs_path))
-        if (entry / ".complete").exists():
+        if cache.lookup("artifacts", key):
             result = run_job("harness.backends:run_job",
                              dict(run_kwargs, artifact_path=str(entry / self.backend.artifact_name)),
                              run_dir, self.limits.run_s)

@@ -3,6 +3,12 @@
 Entries are directories named by `files.content_key(...)` of everything that changes them, written
 to a temporary sibling and renamed into place, under a file lock so that concurrent writers (xdist
 workers, two shells) never see half an entry. Safe to delete at any time.
+
+The cache is bounded (default 40 GiB, `KOKORO_PARITY_CACHE_MAX_GB`): a hit touches its entry's
+`.complete`, and each new entry prunes the least recently used ones until the cache fits. A
+session filled a 250 GB disk before this: a backend matrix writes a program and an artifact per
+item, and nothing ever went away. Entries used in the last hour are never pruned, since another
+process may be about to read them; the rebuilt weights and the admission ledger are not entries.
 """
 from __future__ import annotations
 
@@ -10,10 +16,16 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 CACHE_ENV = "KOKORO_PARITY_CACHE"
+MAX_GB_ENV = "KOKORO_PARITY_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 40.0
+KINDS = ("traces", "variants", "synthesizer", "programs", "artifacts", "bisect")  # prunable
+RECENT_S = 3600.0  # an entry used this recently may be in use by another process
 
 
 def cache_dir() -> Path:
@@ -40,16 +52,27 @@ def entry(kind: str, key: str) -> Path:
     return cache_dir() / kind / key
 
 
+def lookup(kind: str, key: str) -> Path | None:
+    """The complete entry, marked as just used (its `.complete` is touched), or None."""
+    marker = entry(kind, key) / ".complete"
+    try:
+        os.utime(marker)
+    except FileNotFoundError:
+        return None
+    return marker.parent
+
+
 def get_or_build(kind: str, key: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
-    """Return (entry directory, hit). On a miss `build(tmpdir)` fills a temp dir that is renamed in.
+    """Return (entry directory, hit). On a miss `build(tmpdir)` fills a temp dir that is renamed in,
+    and then the cache is pruned to its size limit.
 
     `build` may raise; then nothing is cached and the error propagates.
     """
     final = entry(kind, key)
-    if (final / ".complete").exists():
+    if lookup(kind, key):
         return final, True
     with lock(final):
-        if (final / ".complete").exists():
+        if lookup(kind, key):
             return final, True
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
         try:
@@ -61,11 +84,93 @@ def get_or_build(kind: str, key: str, build: Callable[[Path], None]) -> tuple[Pa
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+    prune()
     return final, False
 
 
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except FileNotFoundError:  # removed by another process meanwhile
+            pass
+    return total
+
+
 def size_bytes() -> int:
-    return sum(p.stat().st_size for p in cache_dir().rglob("*") if p.is_file())
+    return _tree_bytes(cache_dir())
+
+
+def sizes_by_kind() -> dict[str, int]:
+    root = cache_dir()
+    return {child.name: _tree_bytes(child) for child in sorted(root.iterdir()) if child.is_dir()}
+
+
+def max_bytes() -> int:
+    raw = os.environ.get(MAX_GB_ENV, "")
+    try:
+        gb = float(raw) if raw else DEFAULT_MAX_GB
+    except ValueError:
+        raise ValueError(f"{MAX_GB_ENV}={raw!r}: expected a number of GiB") from None
+    return int(gb * 2**30)
+
+
+@dataclass
+class Pruned:
+    removed: list[Path]
+    freed_bytes: int
+    size_bytes: int  # what is left
+    limit_bytes: int
+
+
+def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
+    """Remove least recently used entries until the cache holds at most `limit_bytes`.
+
+    Also removes leftovers of builds that died (temporary `.KEY.*` directories) once they are older
+    than `recent_s`. An entry somebody is building or removing (its lock is held) is skipped.
+    """
+    from filelock import FileLock, Timeout
+
+    limit = max_bytes() if limit_bytes is None else limit_bytes
+    now = time.time()
+    root = cache_dir()
+    candidates: list[tuple[float, int, Path]] = []  # (last use, bytes, entry)
+    removed: list[Path] = []
+    freed = 0
+    total = size_bytes()
+    for kind in KINDS:
+        folder = root / kind
+        if not folder.is_dir():
+            continue
+        for child in folder.iterdir():
+            if not child.is_dir():
+                continue
+            try:
+                used = (child / ".complete").stat().st_mtime
+            except FileNotFoundError:  # an unfinished build: a leftover once it is old
+                if child.name.startswith(".") and now - child.stat().st_mtime > recent_s:
+                    size = _tree_bytes(child)
+                    shutil.rmtree(child, ignore_errors=True)
+                    removed.append(child)
+                    freed += size
+                    total -= size
+                continue
+            if now - used > recent_s:
+                candidates.append((used, _tree_bytes(child), child))
+    for _used, size, child in sorted(candidates):
+        if total <= limit:
+            break
+        try:
+            with FileLock(str(child) + ".lock", timeout=0):
+                shutil.rmtree(child, ignore_errors=True)
+        except Timeout:
+            continue
+        removed.append(child)
+        freed += size
+        total -= size
+    return Pruned(removed, freed, total, limit)
 
 
 def clear() -> None:

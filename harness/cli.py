@@ -171,11 +171,21 @@ def cmd_backends(args) -> int:
 def cmd_cache(args) -> int:
     from . import cache
 
+    gib = 2**30
     if args.action == "clear":
         cache.clear()
         print(f"cleared {cache.cache_dir()}")
+    elif args.action == "prune":
+        limit = None if args.max_gb is None else int(args.max_gb * gib)
+        result = cache.prune(limit)
+        print(f"removed {len(result.removed)} entries ({result.freed_bytes / gib:.2f} GiB); "
+              f"{result.size_bytes / gib:.2f} GiB left, limit {result.limit_bytes / gib:.1f} GiB")
     else:
-        print(f"{cache.cache_dir()}: {cache.size_bytes() / 2**20:.1f} MiB")
+        sizes = cache.sizes_by_kind()
+        for kind, size in sizes.items():
+            print(f"  {kind:12s} {size / gib:8.2f} GiB")
+        print(f"{cache.cache_dir()}: {sum(sizes.values()) / gib:.2f} GiB, limit {cache.max_bytes() / gib:.1f} GiB "
+              f"(${cache.MAX_GB_ENV}); least recently used entries go first")
     return 0
 
 
@@ -266,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="default: <report-dir>/dashboard")
     p.add_argument("--factor", type=float, default=2.0, help="regression factor for error metrics")
     p.set_defaults(fn=cmd_dashboard)
-    p = sub.add_parser("cache", help="show the cache's size, or clear it")
-    p.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
+    p = sub.add_parser("cache", help="show the cache's size, prune it to its limit, or clear it")
+    p.add_argument("action", choices=("info", "prune", "clear"), nargs="?", default="info")
+    p.add_argument("--max-gb", type=float, help="prune down to this many GiB (default: the cache's limit)")
     p.set_defaults(fn=cmd_cache)
     p = sub.add_parser("new-case", help="write cases/<id>.yaml from plain text with an offline phonemizer")
     p.add_argument("--id", required=True)

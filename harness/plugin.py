@@ -44,9 +44,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "Join the shards' report dirs with `kokoro-parity merge`.")
 
 
+PATH_OPTIONS = ("--report-dir", "--weights", "--profile")
+
+
+def _check_rootdir_kept(config: pytest.Config) -> None:
+    """pytest chooses its rootdir and ini file before plugins register their options, so in
+    `--report-dir /tmp/x` it takes an existing /tmp/x for a test path: the project's pytest
+    configuration is lost and every test under the current directory gets collected. Refuse that
+    with the fix, rather than running the unit tests as parity items."""
+    args = list(config.invocation_params.args)
+    cwd = config.invocation_params.dir.resolve()
+    root = config.rootpath.resolve()
+    if cwd.is_relative_to(root):
+        return
+    for option, value in zip(args, args[1:]):
+        if option in PATH_OPTIONS and Path(value).exists() and Path(value).resolve().is_relative_to(root):
+            raise pytest.UsageError(
+                f"`{option} {value}`: pytest read the existing path {value} as a test path before "
+                f"kokoro-parity's options were known, and took {root} as its rootdir instead of this "
+                f"project's configuration. Write `{option}={value}`.")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Under `pytest -n N`, distribute by group (items that share a compile stay on one worker)."""
+    if not hasattr(config, "workerinput"):
+        _check_rootdir_kept(config)
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") in ("no", "load"):
         config.option.dist = "loadgroup"
 

@@ -281,7 +281,7 @@ class Session:
         from . import admission
 
         entry = cache.entry(kind, key)
-        if (entry / ".complete").exists():
+        if cache.lookup(kind, key):
             self.counts[f"{kind}_hits"] += 1
             return entry, None
         outcome: dict = {}

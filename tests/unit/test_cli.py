@@ -17,3 +17,19 @@ def test_other_commands_reject_unknown_arguments(capsys):
         main(["cache", "info", "--bogus"])
     assert e.value.code == 2
     assert "--bogus" in capsys.readouterr().err
+
+
+def test_cache_prune_and_info(tmp_path, monkeypatch, capsys):
+    import os
+    import time
+
+    from harness import cache
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    path, _ = cache.get_or_build("programs", "k", lambda tmp: (tmp / "blob").write_bytes(b"x" * 4096))
+    os.utime(path / ".complete", (time.time() - 7200,) * 2)
+    assert main(["cache", "info"]) == 0
+    assert "programs" in capsys.readouterr().out
+    assert main(["cache", "prune", "--max-gb", "0"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert not path.exists()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_pytest(args, report_dir):
-    cmd = [sys.executable, "-m", "pytest", "tests/parity", "-p", "no:logging", "--report-dir", str(report_dir), *args]
+    cmd = [sys.executable, "-m", "pytest", "tests/parity", "-p", "no:logging", f"--report-dir={report_dir}", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env())
 
 
@@ -58,3 +58,16 @@ def test_unknown_backend_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", "--collect-only", "-q", "--backend=nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_pytest_env())
     assert out.returncode != 0 and "unknown backend 'nope'" in (out.stdout + out.stderr)
+
+
+def test_an_existing_report_dir_as_a_separate_argument_is_a_usage_error(tmp_path):
+    """pytest would take it for its rootdir and collect the unit tests as well; `=` avoids that."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--backend=eager",
+                          "--report-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_pytest_env())
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"Write `--report-dir={tmp_path}`" in out.stderr
+    fixed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--backend=eager",
+                            "--case=en_short", f"--report-dir={tmp_path}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_pytest_env())
+    assert fixed.returncode == 0 and "tests/unit" not in fixed.stdout and "tests/parity" in fixed.stdout

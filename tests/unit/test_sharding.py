@@ -19,7 +19,7 @@ MATRIX = ["--backend=eager", "--case=en_short", "-k", "bert_encoder or (bert and
 def pytest_run(tmp_path, name, cache, *extra):
     out = tmp_path / name
     env = child_pytest_env(KOKORO_PARITY_CACHE=str(cache))
-    r = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", *MATRIX, "--report-dir", str(out), *extra],
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", *MATRIX, f"--report-dir={out}", *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=2400, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
