@@ -211,10 +211,13 @@ def cmd_table(args) -> int:
     from .record import read_records
     from .report import summary_table
 
-    records = read_records(args.report_dir / "records")
-    if not records:
-        raise FileNotFoundError(f"{args.report_dir / 'records'}: no records")
-    print(summary_table(records, "github" if args.markdown else "simple"))
+    records = {}  # item id -> record; a later report dir's record of an item replaces an earlier one
+    for d in args.report_dir or [Path("reports")]:
+        found = read_records(d / "records")
+        if not found:
+            raise FileNotFoundError(f"{d / 'records'}: no records")
+        records.update((r.item_id, r) for r in found if not args.case or r.case in args.case)
+    print(summary_table(list(records.values()), "github" if args.markdown else "simple"))
     return 0
 
 
@@ -291,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="cases directory (default: the repository's cases/)")
     p.set_defaults(fn=cmd_new_case)
-    p = sub.add_parser("table", help="the step x backend table of a report dir's records (Markdown with --markdown)")
-    p.add_argument("--report-dir", default="reports", type=Path)
+    p = sub.add_parser("table", help="the step x backend table of report dirs' records (Markdown with --markdown)")
+    p.add_argument("--report-dir", action="append", type=Path,
+                   help="repeatable (default: reports); for an item in several, the last one's record counts")
+    p.add_argument("--case", action="append", help="only these cases (repeatable)")
     p.add_argument("--markdown", action="store_true")
     p.set_defaults(fn=cmd_table)
     p = sub.add_parser("bench", help="benchmarks/bench.py of a source checkout: cold vs warm, harness vs bare "

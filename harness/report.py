@@ -81,12 +81,19 @@ def audit_lines(audit: dict) -> list[str]:
 
 
 def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
-    """One row per (step, mode), one column per backend: verdict and the key metric (or, for an
-    item that did not run, the start of its reason). `tablefmt="github"` gives Markdown."""
-    backends = sorted({r.backend for r in records})
+    """One row per (case, step, mode) in pipeline order, one column per backend in the registry's
+    order: verdict and the key metric (or, for an item that did not run, the start of its reason).
+    `tablefmt="github"` gives Markdown (the README's matrices)."""
+    from .backends import backend_names
+    from .steps import PIPELINE_STEP_NAMES
+
+    known = backend_names()
+    backends = sorted({r.backend for r in records},
+                      key=lambda b: (known.index(b) if b in known else len(known), b))
+    step_rank = {name: i for i, name in enumerate(PIPELINE_STEP_NAMES)}
     rows: dict[tuple, dict] = {}
     for r in records:
-        key = (r.case, r.step, r.mode)
+        key = (r.case, step_rank.get(r.step, len(step_rank)), r.step, r.mode)
         worst = max(r.metrics.values(), key=lambda m: m.get("floor_ratio", 0) if isinstance(m.get("floor_ratio"), float) else 0, default=None)
         cell = r.verdict.value.upper()
         if worst is not None and r.verdict.value in ("pass", "fail"):
@@ -100,6 +107,6 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
         rows.setdefault(key, {})[r.backend] = cell
         if drift is not None:
             rows[key]["drift"] = _fmt(drift)
-    table = [[c, s, m, rows[(c, s, m)].get("drift", "-"), *(rows[(c, s, m)].get(b, "") for b in backends)]
-             for (c, s, m) in sorted(rows)]
+    table = [[c, s, m, rows[k].get("drift", "-"), *(rows[k].get(b, "not run") for b in backends)]
+             for k in sorted(rows) for (c, _rank, s, m) in [k]]
     return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt=tablefmt)

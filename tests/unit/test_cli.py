@@ -33,3 +33,25 @@ def test_cache_prune_and_info(tmp_path, monkeypatch, capsys):
     assert main(["cache", "prune", "--max-gb", "0"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert not path.exists()
+
+
+def test_table_joins_report_dirs_in_pipeline_and_registry_order(tmp_path, capsys):
+    from harness.record import Record
+    from harness.verdict import Verdict
+
+    def rec(step, backend, verdict, rel=1e-6):
+        return Record(case="ja", step=step, backend=backend, mode="static", verdict=verdict,
+                      reason="" if verdict in (Verdict.PASS, Verdict.FAIL) else "why; more",
+                      metrics={"y": {"rel_l2": rel, "floor_ratio": 1.5}})
+
+    rec("generator", "tvm", Verdict.PASS).write(tmp_path / "a" / "records")
+    rec("bert", "xnnpack", Verdict.CRASHED).write(tmp_path / "a" / "records")
+    rec("bert", "xnnpack", Verdict.PASS).write(tmp_path / "b" / "records")  # the later dir wins
+    Record(case="en_short", step="bert", backend="tvm", mode="static", verdict=Verdict.PASS).write(tmp_path / "b" / "records")
+    assert main(["table", "--report-dir", str(tmp_path / "a"), "--report-dir", str(tmp_path / "b"),
+                 "--case", "ja"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[5:] == ["xnnpack", "tvm"]  # the registry's order, not the alphabet
+    assert [line.split()[1] for line in lines[2:]] == ["bert", "generator"]  # the pipeline's order
+    assert "PASS rel 1.00e-06 (1.5x floor)" in lines[2] and "CRASHED" not in "\n".join(lines)
+    assert "not run" in lines[2] and "en_short" not in "\n".join(lines)
