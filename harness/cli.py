@@ -216,7 +216,8 @@ def cmd_table(args) -> int:
         found = read_records(d / "records")
         if not found:
             raise FileNotFoundError(f"{d / 'records'}: no records")
-        records.update((r.item_id, r) for r in found if not args.case or r.case in args.case)
+        records.update((r.item_id, r) for r in found
+                       if (not args.case or r.case in args.case) and (not args.backend or r.backend in args.backend))
     print(summary_table(list(records.values()), "github" if args.markdown else "simple"))
     return 0
 
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-dir", action="append", type=Path,
                    help="repeatable (default: reports); for an item in several, the last one's record counts")
     p.add_argument("--case", action="append", help="only these cases (repeatable)")
+    p.add_argument("--backend", action="append", help="only these backends (repeatable)")
     p.add_argument("--markdown", action="store_true")
     p.set_defaults(fn=cmd_table)
     p = sub.add_parser("bench", help="benchmarks/bench.py of a source checkout: cold vs warm, harness vs bare "

@@ -55,3 +55,5 @@ def test_table_joins_report_dirs_in_pipeline_and_registry_order(tmp_path, capsys
     assert [line.split()[1] for line in lines[2:]] == ["bert", "generator"]  # the pipeline's order
     assert "PASS rel 1.00e-06 (1.5x floor)" in lines[2] and "CRASHED" not in "\n".join(lines)
     assert "not run" in lines[2] and "en_short" not in "\n".join(lines)
+    assert main(["table", "--report-dir", str(tmp_path / "a"), "--backend", "tvm"]) == 0
+    assert "xnnpack" not in capsys.readouterr().out
