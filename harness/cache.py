@@ -149,10 +149,14 @@ def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
                 continue
             try:
                 used = (child / ".complete").stat().st_mtime
-            except FileNotFoundError:  # an unfinished build: a leftover once it is old
+            except FileNotFoundError:  # an unfinished build (`.KEY.xxxx`): a leftover once old and unlocked
                 if child.name.startswith(".") and now - child.stat().st_mtime > recent_s:
-                    size = _tree_bytes(child)
-                    shutil.rmtree(child, ignore_errors=True)
+                    try:
+                        with FileLock(str(folder / child.name[1:].split(".")[0]) + ".lock", timeout=0):
+                            size = _tree_bytes(child)
+                            shutil.rmtree(child, ignore_errors=True)
+                    except Timeout:  # its build is still running
+                        continue
                     removed.append(child)
                     freed += size
                     total -= size
