@@ -20,7 +20,7 @@ CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const", "unrolled_lstm")
 
 def _inference_ir(program):
     """coremltools takes the ATen inference IR (run_decompositions with an empty table), with
-    `__and__` renamed to `bitwise_and` and torch's own decompositions of the ops its frontend cannot
+    `__and__` renamed to `bitwise_and`, identity `alias` views dropped, and torch's own decompositions of the ops its frontend cannot
     lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap the harness can close
     is not the user's failure."""
     import torch
@@ -29,11 +29,18 @@ def _inference_ir(program):
     # the same op under a name coremltools lowers: `a & b` of masks is aten.__and__, which has no MIL
     # lowering while bitwise_and has (ALBERT's attention mask; CustomSTFT's phase mask)
     aliases = {torch.ops.aten.__and__.Tensor: torch.ops.aten.bitwise_and.Tensor}
+    # identity views with no MIL lowering: a slice over a whole axis exports as aten.alias (ALBERT's
+    # position_ids[:, :512] when the token bucket is the whole 512-position table: en_long static)
+    identities = (torch.ops.aten.alias.default,)
     ir = program.run_decompositions({})
     renamed = [node for node in ir.graph.nodes if node.op == "call_function" and node.target in aliases]
     for node in renamed:
         node.target = aliases[node.target]
-    if renamed:
+    dropped = [node for node in ir.graph.nodes if node.op == "call_function" and node.target in identities]
+    for node in dropped:
+        node.replace_all_uses_with(node.args[0])
+        ir.graph.erase_node(node)
+    if renamed or dropped:
         ir.graph_module.recompile()
     gaps = mil_gaps(ir)["ops_without_mil_lowering"]
     table = {op: decomposition_table[op] for op in _ops(ir) if op in decomposition_table and _kind(op) in gaps}
