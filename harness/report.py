@@ -96,10 +96,13 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
         key = (r.case, step_rank.get(r.step, len(step_rank)), r.step, r.mode)
         worst = max(r.metrics.values(), key=lambda m: m.get("floor_ratio", 0) if isinstance(m.get("floor_ratio"), float) else 0, default=None)
         cell = r.verdict.value.upper()
-        if worst is not None and r.verdict.value in ("pass", "fail"):
+        nan_rate = max((m.get("nan_rate") or 0 for m in r.metrics.values()), default=0)
+        if nan_rate and r.verdict.value == "fail":  # a NaN output has no meaningful error figure
+            cell += f" NaN {nan_rate:.0%}"
+        elif worst is not None and r.verdict.value in ("pass", "fail"):
             cell += f" rel {_fmt(worst.get('rel_l2'))} ({_fmt(worst.get('floor_ratio'))}x floor)"
         audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
-        if audio is not None and r.verdict.value in ("pass", "fail"):
+        if audio is not None and r.verdict.value in ("pass", "fail") and not nan_rate:
             cell += f" PESQ {_fmt(audio.get('pesq'))}"
         drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
         if r.verdict.value not in ("pass", "fail") and r.reason:

@@ -45,6 +45,9 @@ def test_table_joins_report_dirs_in_pipeline_and_registry_order(tmp_path, capsys
                       metrics={"y": {"rel_l2": rel, "floor_ratio": 1.5}})
 
     rec("generator", "tvm", Verdict.PASS).write(tmp_path / "a" / "records")
+    nan = rec("decoder", "tvm", Verdict.FAIL, rel=float("nan"))
+    nan.metrics["y"]["nan_rate"] = 1.0
+    nan.write(tmp_path / "a" / "records")
     rec("bert", "xnnpack", Verdict.CRASHED).write(tmp_path / "a" / "records")
     rec("bert", "xnnpack", Verdict.PASS).write(tmp_path / "b" / "records")  # the later dir wins
     Record(case="en_short", step="bert", backend="tvm", mode="static", verdict=Verdict.PASS).write(tmp_path / "b" / "records")
@@ -52,7 +55,8 @@ def test_table_joins_report_dirs_in_pipeline_and_registry_order(tmp_path, capsys
                  "--case", "ja"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[5:] == ["xnnpack", "tvm"]  # the registry's order, not the alphabet
-    assert [line.split()[1] for line in lines[2:]] == ["bert", "generator"]  # the pipeline's order
+    assert [line.split()[1] for line in lines[2:]] == ["bert", "decoder", "generator"]  # the pipeline's order
+    assert "FAIL NaN 100%" in lines[3]
     assert "PASS rel 1.00e-06 (1.5x floor)" in lines[2] and "CRASHED" not in "\n".join(lines)
     assert "not run" in lines[2] and "en_short" not in "\n".join(lines)
     assert main(["table", "--report-dir", str(tmp_path / "a"), "--backend", "tvm"]) == 0
