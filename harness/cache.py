@@ -136,10 +136,21 @@ def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
     limit = max_bytes() if limit_bytes is None else limit_bytes
     now = time.time()
     root = cache_dir()
-    candidates: list[tuple[float, int, Path]] = []  # (last use, bytes, entry)
+    candidates: list[tuple[float, Path]] = []  # (last use, entry)
     removed: list[Path] = []
-    freed = 0
-    total = size_bytes()
+    start = total = size_bytes()
+
+    def remove(path: Path, lock_path: Path) -> int:
+        """Bytes freed, or 0 when somebody holds the lock (building or removing it)."""
+        try:
+            with FileLock(str(lock_path), timeout=0):
+                size = _tree_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+        except Timeout:
+            return 0
+        removed.append(path)
+        return size
+
     for kind in KINDS:
         folder = root / kind
         if not folder.is_dir():
@@ -151,30 +162,15 @@ def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
                 used = (child / ".complete").stat().st_mtime
             except FileNotFoundError:  # an unfinished build (`.KEY.xxxx`): a leftover once old and unlocked
                 if child.name.startswith(".") and now - child.stat().st_mtime > recent_s:
-                    try:
-                        with FileLock(str(folder / child.name[1:].split(".")[0]) + ".lock", timeout=0):
-                            size = _tree_bytes(child)
-                            shutil.rmtree(child, ignore_errors=True)
-                    except Timeout:  # its build is still running
-                        continue
-                    removed.append(child)
-                    freed += size
-                    total -= size
+                    total -= remove(child, folder / (child.name[1:].split(".")[0] + ".lock"))
                 continue
             if now - used > recent_s:
-                candidates.append((used, _tree_bytes(child), child))
-    for _used, size, child in sorted(candidates):
+                candidates.append((used, child))
+    for _used, child in sorted(candidates):
         if total <= limit:
             break
-        try:
-            with FileLock(str(child) + ".lock", timeout=0):
-                shutil.rmtree(child, ignore_errors=True)
-        except Timeout:
-            continue
-        removed.append(child)
-        freed += size
-        total -= size
-    return Pruned(removed, freed, total, limit)
+        total -= remove(child, Path(str(child) + ".lock"))
+    return Pruned(removed, start - total, total, limit)
 
 
 def clear() -> None:

@@ -110,6 +110,6 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
         rows.setdefault(key, {})[r.backend] = cell
         if drift is not None:
             rows[key]["drift"] = _fmt(drift)
-    table = [[c, s, m, rows[k].get("drift", "-"), *(rows[k].get(b, "not run") for b in backends)]
-             for k in sorted(rows) for (c, _rank, s, m) in [k]]
+    table = [[key[0], key[2], key[3], rows[key].get("drift", "-"), *(rows[key].get(b, "not run") for b in backends)]
+             for key in sorted(rows)]  # key: (case, pipeline rank, step, mode)
     return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt=tablefmt)
