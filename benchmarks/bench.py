@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from tabulate import tabulate  # noqa: E402
 
-from harness.files import atomic_write_json  # noqa: E402
+from harness.plumbing.files import atomic_write_json  # noqa: E402
 from harness.record import read_records  # noqa: E402
 
 WORK = re.compile(r"work: exports (\d+), compiles (\d+), runs (\d+); cache: programs (\d+) hit / (\d+) miss, "

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from tabulate import tabulate  # noqa: E402
 
-from harness.files import atomic_write_json  # noqa: E402
+from harness.plumbing.files import atomic_write_json  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -291,7 +291,7 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
     from harness.backends import get_backend
     from harness.patches import canonical
     from harness.programs import export_step
-    from harness.runner import _save_inputs
+    from harness.plumbing.files import save_tensors
 
     backend = get_backend(backend_name)
     patches = list(canonical((*backend.patches, *extra_patches)))
@@ -306,7 +306,7 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
             else:
                 with prof.phase("setup: model + traces (cached)"):
                     inputs, digest = step_inputs(case, step, mode)
-                    inputs_path = _save_inputs(workdir, inputs)
+                    inputs_path = save_tensors(workdir / "inputs.pt", inputs)
                 with prof.phase(EXPORT_JOB), lstm_impl(impl):
                     export_step(None, digest, step, patches, str(inputs_path), str(program_path))
             out_dir = workdir / "artifact"
@@ -330,7 +330,7 @@ def profile_step(step: str, case: str, mode: str, backend_name: str, extra_patch
 
 def _maxrss_mb() -> float:
     """VmHWM, not ru_maxrss (which, after a fork from a larger parent, starts at the parent's RSS)."""
-    from harness.jobs import own_peak_rss_mb
+    from harness.plumbing.jobs import own_peak_rss_mb
 
     return own_peak_rss_mb()
 

@@ -43,7 +43,9 @@ class ArtifactItem:
 
     @property
     def id(self) -> str:
-        return f"{self.case}-{self.step}-{self.backend}-{self.mode}"
+        from .record import item_id
+
+        return item_id(self.case, self.step, self.backend, self.mode)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -214,18 +216,15 @@ def check_artifact(session, item: ArtifactItem):
     """Judge `item.path` against the references of its step: a Record like any backend's."""
     import torch
 
-    from .jobs import run_job as run_in_child
-    from .patches import PATCHES, canonical
-    from .record import Record
-    from .runner import Item, _failed, _save_inputs
+    from .patches import canonical
+    from .plumbing.files import save_tensors
+    from .plumbing.jobs import run_job as run_in_child
+    from .runner import Item, Resolved, failed
     from .steps import get_step
     from .verdict import Verdict
 
-    patches = list(canonical(session.extra_patches))
-    rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=patches,
-                 semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
-                 model={"name": session.model.name, "digest": session.model.digest, "source": session.model.source},
-                 audit={"artifact": str(Path(item.path).resolve()), "kind": kind_of(item.path)})
+    rec = session.new_record(item, list(canonical(session.extra_patches)), None)
+    rec.audit = {"artifact": str(Path(item.path).resolve()), "kind": kind_of(item.path)}
     kind = kind_of(item.path)
     if kind == "coreml" and platform.system() != "Darwin":
         rec.reason = f"Core ML prediction needs macOS (this is {platform.system()})"
@@ -234,7 +233,8 @@ def check_artifact(session, item: ArtifactItem):
     described = run_in_child("harness.artifacts:describe_job", dict(path=str(item.path)), run_dir / "describe",
                              session.limits.run_s)
     if not described.ok:
-        return _write(session, _failed(rec, described, Verdict.RUN_ERROR))
+        failed(rec, described, Verdict.RUN_ERROR)
+        return _write(session, rec)
     ports = [Port(n, tuple(s) if s is not None else None, d) for n, s, d in described.value["inputs"]]
     traces = session.traces(item.case)
     step = get_step(item.step)
@@ -254,7 +254,7 @@ def check_artifact(session, item: ArtifactItem):
         return _write(session, rec)
     rec.audit["input_mapping"] = dict(zip([p.name or f"#{i}" for i, p in enumerate(ports)], mapped))
     inputs = traces.inputs(item.step, item.mode, "float32")
-    _save_inputs(run_dir, {n: inputs[n] for n in mapped})
+    save_tensors(run_dir / "inputs.pt", {n: inputs[n] for n in mapped})
     result = run_in_child("harness.artifacts:run_job",
                           dict(path=str(item.path), inputs_path=str(run_dir / "inputs.pt"),
                                outputs_path=str(run_dir / "outputs.pt")), run_dir, session.limits.run_s)
@@ -262,9 +262,12 @@ def check_artifact(session, item: ArtifactItem):
     rec.peak_rss_mb["run"] = result.peak_rss_mb
     rec.artifact_bytes = _size(Path(item.path))
     if not result.ok:
-        return _write(session, _failed(rec, result, Verdict.RUN_ERROR))
+        failed(rec, result, Verdict.RUN_ERROR)
+        return _write(session, rec)
     outputs = torch.load(run_dir / "outputs.pt", weights_only=True)
-    return _write(session, session._judge(rec, Item(item.case, item.step, item.backend, item.mode), traces, outputs))
+    resolved = Resolved(Item(item.case, item.step, item.backend, item.mode), step, session.cases[item.case], traces,
+                        None, rec.patches)
+    return _write(session, session.judge(rec, resolved, outputs))
 
 
 def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> list[str] | None:
@@ -286,9 +289,7 @@ def _size(path: Path) -> int:
 
 
 def _write(session, rec):
-    rec.write(session.report_dir / "records")
-    session.counts[f"verdict_{rec.verdict.value}"] += 1
-    return rec
+    return session.finish(rec)
 
 
 def artifact_items(session, specs: list[str], modes) -> list[ArtifactItem]:

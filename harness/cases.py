@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .files import content_key
+from .plumbing.files import content_key
 
 CASES_DIR = Path(__file__).resolve().parent.parent / "cases"
 MAX_TOKENS = 512  # ALBERT's max_position_embeddings
@@ -107,7 +107,7 @@ def phonemize(text: str, language: str) -> str:
 
 def write_case(directory: Path, case_id: str, text: str, language: str, voice: str,
                tokens: int, frames: int, speed: float = 1.0, seed: int = 0) -> Path:
-    from .files import atomic_write_text
+    from .plumbing.files import atomic_write_text
 
     case = Case(id=case_id, language=language, text=text, phonemes=phonemize(text, language),
                 voice=voice, speed=speed, seed=seed, bucket=Bucket(tokens=tokens, frames=frames))

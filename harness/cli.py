@@ -136,7 +136,7 @@ def cmd_merge(args) -> int:
     """Join the records of several shards (report dirs) into one report dir."""
     import json
 
-    from .files import atomic_write_json
+    from .plumbing.files import atomic_write_json
     from .record import read_records
 
     seen: dict[str, str] = {}
@@ -169,7 +169,7 @@ def cmd_backends(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from . import cache
+    from .plumbing import cache
 
     gib = 2**30
     if args.action == "clear":

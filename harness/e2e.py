@@ -40,11 +40,12 @@ def alignment(pred_dur: torch.Tensor, n_tokens_total: int, n_frames_total: int) 
     return aln
 
 
-def run_e2e(session, backend, item, patches: list[str], rec: Record) -> Record:
+def run_e2e(session, r, rec: Record) -> Record:
+    """Run the two stages of a resolved e2e item (harness.runner.Resolved) and judge its audio."""
     from .patches import affecting
     from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES
 
-    case, traces = session.cases[item.case], session.traces(item.case)
+    item, backend, patches, case, traces = r.item, r.backend, r.patches, r.case, r.traces
     chain, n = traces.chain, traces.valid.tokens
     stage = get_step("duration_stage")
     tokens = ({k: chain[k] for k in stage.input_names} if item.mode == "dynamic"

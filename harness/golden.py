@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write_bytes, atomic_write_json, sha256_file
+from .plumbing.files import atomic_write_bytes, atomic_write_json, sha256_file
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 SCHEMA = "kokoro-parity/golden/1"

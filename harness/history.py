@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from . import __version__
-from .files import atomic_write_json, atomic_write_text
+from .plumbing.files import atomic_write_json, atomic_write_text
 from .record import SCHEMA as RECORD_SCHEMA
 from .record import Record
+from .record import item_id as record_item_id
 from .verdict import Verdict
 
 SCHEMA = "kokoro-parity/run/1"
@@ -48,7 +49,7 @@ class HistoryError(ValueError):
 
 
 def item_id(rec: dict[str, Any]) -> str:
-    return f"{rec['case']}-{rec['step']}-{rec['backend']}-{rec['mode']}"
+    return record_item_id(rec["case"], rec["step"], rec["backend"], rec["mode"])
 
 
 def as_float(v: Any) -> float:

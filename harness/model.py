@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from . import cache
-from .files import atomic_write, sha256_file
+from .plumbing import cache
+from .plumbing.files import atomic_write, sha256_file
 
 CHECKPOINT_KEYS = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
 WEIGHTS_ENV = "KOKORO_PARITY_WEIGHTS"

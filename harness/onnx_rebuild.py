@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.files import atomic_write, sha256_file
+from harness.plumbing.files import atomic_write, sha256_file
 from harness.model import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel, kokoro_config, strict_load  # noqa: F401
 
 # KOKORO_V1_CONFIG (checked against the ONNX by `_check_graph`) and the KModel helpers live in

@@ -237,7 +237,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """Each process writes its work counts, so that the controller (xdist) can add them up."""
     s = getattr(session.config, "_parity_session", None)
     if s is not None and s.counts:
-        from .files import atomic_write_json
+        from .plumbing.files import atomic_write_json
 
         worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
         atomic_write_json(s.report_dir / "counts" / f"{worker}.json", dict(s.counts))

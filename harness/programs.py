@@ -1,7 +1,10 @@
 """Programs: a step exported once with `torch.export` for given shapes and patches.
 
-The exported program is the one form every backend takes (and bisection later cuts). Exporting
-runs as a job in a child process, so a hang or crash inside torch.export is an item's outcome.
+The exported program is the one form every backend takes, and bisection cuts the same file. So
+one function names a program (`program_key`) and one gets it (`ensure_program`): the runner and
+the bisection cannot disagree about which program an item has (they once did, and a bisection
+after a patch edit could run on a stale program). Exporting runs as a job in a child process, so
+a hang or crash inside torch.export is an item's outcome.
 """
 from __future__ import annotations
 
@@ -9,7 +12,39 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .plumbing.files import content_key, save_tensors
+from .plumbing.jobs import JobResult, cached_job
+
 PROGRAM_VERSION = 2  # bump when the export recipe changes: it invalidates cached programs
+
+
+def program_key(step: str, inputs: dict, patches, model_digest: str) -> tuple[str, list[str]]:
+    """(cache key, the patches that were keyed): only the patches that can change `step` are
+    applied and keyed, with a digest of their sources, so an edited patch re-exports and a
+    backend's extra LSTM patch shares the decoder's program with the others."""
+    import torch
+
+    from .patches import affecting, graph_code_digest
+
+    patches = list(affecting(patches, step))
+    shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
+    key = content_key("program", PROGRAM_VERSION, step, shapes, patches, model_digest, torch.__version__,
+                      graph_code_digest(tuple(patches)))
+    return key, patches
+
+
+def ensure_program(weights: str | None, model_digest: str, step: str, inputs: dict, patches, timeout: float,
+                   counts: Counter | None = None) -> tuple[Path, str, JobResult | None]:
+    """(cache entry holding program.pt2, its key, the export job's result or None on a hit)."""
+    key, patches = program_key(step, inputs, patches, model_digest)
+    entry, result = cached_job(
+        "programs", key, "harness.programs:export_step", timeout,
+        lambda tmp: dict(weights=weights, expected_digest=model_digest, step=step, patches=patches,
+                         inputs_path=str(save_tensors(tmp / "inputs.pt", inputs)), out_path=str(tmp / "program.pt2")),
+        counts)
+    if result is not None and counts is not None:
+        counts["exports"] += 1
+    return entry, key, result
 
 
 def export_step(weights: str | None, expected_digest: str, step: str, patches: list[str],
@@ -62,10 +97,3 @@ def unused_submodels(program, module) -> list[str]:
     return [name for name, child in kmodel.named_children()
             if any(True for _ in child.parameters())
             and not any(id(t) in used for t in (*child.parameters(), *child.buffers()))]
-
-
-def op_counts(program_path: Path) -> dict[str, int]:
-    import torch
-
-    program = torch.export.load(str(program_path))
-    return dict(Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function"))

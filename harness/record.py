@@ -10,10 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .files import atomic_write_json
+from .plumbing.files import atomic_write_json
 from .verdict import Verdict
 
 SCHEMA = "kokoro-parity/record/1"
+
+
+def item_id(case: str, step: str, backend: str, mode: str) -> str:
+    """The one spelling of an item's id: `case-step-backend-mode` (pytest ids, file names, history)."""
+    return f"{case}-{step}-{backend}-{mode}"
 
 
 @dataclass
@@ -45,7 +50,12 @@ class Record:
 
     @property
     def item_id(self) -> str:
-        return f"{self.case}-{self.step}-{self.backend}-{self.mode}"
+        return item_id(self.case, self.step, self.backend, self.mode)
+
+    def failed(self, verdict: Verdict, error: str, log: str = "") -> "Record":
+        """The item ended before a verdict on its outputs: an error, a crash or a timeout."""
+        self.verdict, self.reason, self.log = verdict, error, log
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -15,18 +15,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cache
+from .plumbing import cache
 from .cases import Case, CaseError
-from .files import atomic_write, content_key
+from .plumbing.files import atomic_write, content_key
 from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, style_for
 from .patches import apply_patches, graph_code_digest, sample_noise, to_float64
 from .steps import FRAME_UNITS, NOISE_INPUTS, STEPS, Step, build_alignment, get_step
 
 MODES = ("dynamic", "static")
-DTYPES = ("float32", "float64")
 REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
                      "static": ("noise_as_input", "dropout_identity", "no_packing")}
-TRACE_VERSION = 4
+TRACE_VERSION = 4  # bump when the way traces are computed changes: it invalidates cached traces
 SYNTH_BUCKETS = (120, 200, 400, 1200, 1600)  # synthesizer frame buckets: 3, 5, 10, 30 and 40 s of audio
 
 
@@ -34,10 +33,12 @@ def noise_frames(case: Case) -> int:
     """The vocoder noise is drawn once per case, long enough for its bucket and every synthesizer
     bucket: all of them take prefixes of the same numbers, so valid regions share their noise."""
     return max(case.bucket.frames, *SYNTH_BUCKETS)
+
+
 # Patches that leave a mode's reference as it is (exactly, or within fp32 noise): a backend whose
 # program has them is judged against the plain reference. no_packing is exact on exact lengths at
 # batch 1, and already part of the static reference.
-NEUTRAL_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing")  # bump when the way traces are computed changes: it invalidates cached traces
+NEUTRAL_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing")
 
 
 @dataclass
@@ -294,3 +295,35 @@ def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, va
 
     entry, _ = cache.get_or_build("synthesizer", key, build)
     return torch.load(entry / "audio.pt", weights_only=True)
+
+
+@dataclass
+class References:
+    """What one item's outputs are judged against: the reference with the same semantics-changing
+    patches as the item's program (`variant`), in fp32 (the floor's candidate) and fp64, the plain
+    fp32 reference (for the patch drift) and, static items only, the dynamic fp32 reference on the
+    valid region (for the rewrite drift)."""
+
+    fp32: dict[str, torch.Tensor]
+    fp64: dict[str, torch.Tensor]
+    plain32: dict[str, torch.Tensor]
+    dynamic32: dict[str, torch.Tensor] | None
+    variant: tuple[str, ...]
+
+
+def references_for(model: LoadedModel, case: Case, traces: CaseTraces, step: str, mode: str,
+                   patches) -> References:
+    """The one place that picks an item's reference. Patches that are neutral for the mode's
+    reference are left out (NEUTRAL_PATCHES), the others make a variant reference, so that a
+    backend's error is its own and the patches' effect is reported beside it."""
+    from .patches import affecting
+
+    plain32 = traces.outputs(step, mode, "float32")
+    variant = affecting([p for p in patches if p not in REFERENCE_PATCHES[mode] and p not in NEUTRAL_PATCHES], step)
+    if variant:
+        ref = variant_outputs(model, case, traces, step, mode, variant)
+        fp32, fp64 = ref["float32"], ref["float64"]
+    else:
+        fp32, fp64 = plain32, traces.outputs(step, mode, "float64")
+    dynamic32 = dynamic_counterpart(model, case, traces, step, variant) if mode == "static" else None
+    return References(fp32, fp64, plain32, dynamic32, variant)

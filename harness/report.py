@@ -2,24 +2,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from tabulate import tabulate
 
+from .metrics import fmt as _fmt
 from .record import Record
 
 KEY_METRICS = ("nan_rate", "max_abs", "rel_l2", "floor_rel_l2", "floor_ratio", "cosine", "snr_db")
-
-
-def _fmt(v) -> str:
-    if isinstance(v, str):
-        return v
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v) or math.isinf(v):
-            return str(v)
-        return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-    return str(v)
 
 
 def item_table(rec: Record) -> str:
@@ -53,8 +43,6 @@ def item_table(rec: Record) -> str:
     if rec.log and not rec.verdict.ok and rec.verdict.value != "fail":
         lines.append("log (tail):\n" + "\n".join(rec.log.splitlines()[-12:]))
     if rec.bisect:
-        from .bisect import format_bisect
-
         lines.append(format_bisect(rec.bisect))
     return "\n".join(lines)
 
@@ -113,3 +101,63 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     table = [[key[0], key[2], key[3], rows[key].get("drift", "-"), *(rows[key].get(b, "not run") for b in backends)]
              for key in sorted(rows)]  # key: (case, pipeline rank, step, mode)
     return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt=tablefmt)
+
+
+def write_audio(report_dir: Path, item_id: str, outputs: dict, valid) -> dict[str, str]:
+    """Reference and backend WAVs (valid region) of audio outputs, `{name: (reference, backend)}`,
+    so that a person can hear what the metrics summarize: <report_dir>/audio/<item_id>/{reference,
+    backend}.wav (a name prefix when there are several). Returns role -> path relative to report_dir."""
+    from .metrics.audio import write_wav
+
+    paths = {}
+    for name, pair in outputs.items():
+        prefix = "" if len(outputs) == 1 else f"{name}-"
+        for role, tensor in zip(("reference", "backend"), pair):
+            rel = Path("audio") / item_id / f"{prefix}{role}.wav"
+            write_wav(Path(report_dir) / rel, valid(name, tensor).detach().cpu().numpy())
+            paths[prefix + role] = rel.as_posix()
+    return paths
+
+
+def format_bisect(b: dict) -> str:
+    """The bisection's lines under an item's metric table."""
+    if b.get("status") == "error":
+        return f"bisect: could not run: {b.get('message')}"
+    lines = []
+    rows = b.get("modules") or []
+    if rows:
+        lines.append(f"bisect, module stage ({len(rows)} module cuts probed, each with everything before it; "
+                     f"{b.get('module_compiles', 0)} compiles):")
+        table = [[r["module"], r["type"], r["status"].upper(), r["n_ops"], _fmt(r.get("rel_l2")),
+                  _fmt(r.get("floor_rel_l2")), _fmt(r.get("floor_ratio"))] for r in rows]
+        lines.append(tabulate(table, headers=["module", "type", "cut after it", "ops", "rel_l2", "floor", "ratio"],
+                              tablefmt="simple"))
+        lines.append(f"first failing module: {b.get('first_module') or 'none (every module cut passes)'}")
+    if b.get("status") != "localized":
+        lines.append(f"bisect: not localized: {b.get('message')}")
+    else:
+        f = b["first_op"]
+        lines.append(f"bisect: first diverging op `{f['node']}` ({f['op']}, {f['kind'].upper()}) "
+                     f"in {f['module'] or '?'}")
+        lines.append(f"  source: {f['source'] or '?'}")
+        before = "; ".join(f"{n}: {v if isinstance(v, str) else 'rel_l2 ' + _fmt(v.get('rel_l2')) + ' (' + _fmt(v.get('floor_ratio')) + 'x floor)'}"
+                           for n, v in f["before"].items()) or "-"
+        a = f["after"]
+        lines.append(f"  before (its inputs): {before}")
+        lines.append(f"  after: rel_l2 {_fmt(a.get('rel_l2'))} ({_fmt(a.get('floor_ratio'))}x floor "
+                     f"{_fmt(a.get('floor_rel_l2'))}), NaN rate {_fmt(a.get('nan_rate'))}: {f['why']}")
+        lines.append(f"  alone on exact inputs: {f['local']['status']} -> {f['kind']}")
+        if f.get("uncertain_from"):
+            lines.append(f"  or from {f['uncertain_from']} on: the probes between could not run")
+    lines.append(f"  op bisection in {b.get('region')}: {b.get('bisect_compiles', 0)} probes for {b.get('n_nodes', 0)} "
+                 f"float nodes (log2 = {math.log2(max(b.get('n_nodes', 1), 1)):.1f}); total compiles "
+                 f"{b.get('compiles', 0)} (+{b.get('compile_hits', 0)} cached), runs {b.get('runs', 0)}, {b.get('seconds')} s")
+    for p in b.get("probe_failures") or []:
+        lines.append(f"  probe that could not run (not a divergence; a finding of its own): {p['label']} "
+                     f"{p['status']}: {p.get('why', '')[:160]}")
+    r = b.get("repro")
+    if r:
+        state = ("reproduces when run alone" if r.get("reproduces") else
+                 f"repro.py exit code {r.get('exit_code')}" if "exit_code" in r else "not verified")
+        lines.append(f"  repro: {r['path']}/ ({r['bytes'] / 1024:.0f} KiB, {r['n_ops']} ops, {state})")
+    return "\n".join(lines)

@@ -1,25 +1,27 @@
-"""The runner: items -> records. It schedules the work of one item (traces, export, compile, run,
-metrics, verdict) through the cache and child-process jobs, and counts what it did."""
+"""The runner: items in, records out.
+
+An item (case, step, backend, mode) is resolved once into the things it needs (its Step, its
+case's traces, its Backend, its patches); then export, compile and run go through the cache and
+child-process jobs (`execute`), and the outputs are judged by `verdict.judge_outputs` against the
+reference that `reference.references_for` picks. Everything else (tables, history, dashboard)
+reads the records this writes.
+"""
 from __future__ import annotations
 
 import json
 import platform
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, cache
-from .backends import Backend, compile_job, get_backend  # noqa: F401 - compile_job is a job target
+from . import __version__
+from .backends import Backend, get_backend
 from .cases import Case, load_cases
-from .files import content_key
-from .jobs import JobResult, run_job
-from .metrics.tensor import compare_to_floor, error_metrics
-from .programs import PROGRAM_VERSION
-from .record import Record
-from .verdict import Profile, Verdict, judge
-
-MODES = ("dynamic", "static")
+from .plumbing.files import save_tensors
+from .plumbing.jobs import JobResult, cached_job, run_job
+from .record import Record, item_id
+from .reference import MODES
+from .verdict import Profile, Verdict
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Item:
 
     @property
     def id(self) -> str:
-        return f"{self.case}-{self.step}-{self.backend}-{self.mode}"
+        return item_id(self.case, self.step, self.backend, self.mode)
 
 
 @dataclass
@@ -53,6 +55,26 @@ class Limits:
             except ValueError:
                 raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
         return limits
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An item with what it needs, looked up once."""
+
+    item: Item
+    step: object  # harness.steps.Step
+    case: Case
+    traces: object  # harness.reference.CaseTraces
+    backend: Backend
+    patches: list[str]
+
+
+_JOB_VERDICTS = {"crashed": Verdict.CRASHED, "timeout": Verdict.TIMEOUT}
+
+
+def failed(rec: Record, result: JobResult, error_verdict: Verdict) -> None:
+    """A job that did not succeed: crashed and timed-out jobs say so, anything else is the phase's error."""
+    rec.failed(_JOB_VERDICTS.get(result.status, error_verdict), result.error, result.log_tail)
 
 
 @dataclass
@@ -97,93 +119,119 @@ class Session:
 
         return [Item(c, s, b, m) for c in self.cases for s in (steps or ITEM_STEPS) for b in backends for m in modes]
 
+    def patches_for(self, backend: Backend) -> list[str]:
+        """The backend's own patches and the session's extra ones, in the registry's order."""
+        from .patches import canonical
+
+        return list(canonical((*backend.patches, *self.extra_patches)))
+
+    def resolve(self, item: Item) -> Resolved:
+        from .steps import get_step
+
+        backend = get_backend(item.backend)
+        return Resolved(item, get_step(item.step), self.cases[item.case], self.traces(item.case), backend,
+                        self.patches_for(backend))
+
+    def new_record(self, item: Item, patches: list[str], backend: Backend | None) -> Record:
+        from .patches import PATCHES
+
+        return Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=list(patches),
+                      semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
+                      model={"name": self.model.name, "digest": self.model.digest, "source": self.model.source},
+                      versions=versions(backend))
+
     # -- one item -------------------------------------------------------------------------
     def run(self, item: Item) -> Record:
         record = self._run(item)
+        return self.finish(record)
+
+    def finish(self, record: Record) -> Record:
         record.write(self.report_dir / "records")
         self.counts[f"verdict_{record.verdict.value}"] += 1
         return record
 
     def _run(self, item: Item) -> Record:
-        from .patches import PATCHES, canonical
-
         backend = get_backend(item.backend)
-        patches = list(canonical((*backend.patches, *self.extra_patches)))
-        rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=patches,
-                     semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
-                     model={"name": self.model.name, "digest": self.model.digest, "source": self.model.source},
-                     versions=versions(backend))
+        rec = self.new_record(item, self.patches_for(backend), backend)
         ok, why = backend.available()
         if not ok:
             rec.reason = why
             return rec
-
+        r = self.resolve(item)
         if item.step == "e2e":
             from .e2e import run_e2e
 
-            return run_e2e(self, backend, item, patches, rec)
-        traces = self.traces(item.case)
-        outputs = self.execute(backend, item.step, traces.inputs(item.step, item.mode, "float32"), patches, rec, item.id)
-        return rec if outputs is None else self._judge(rec, item, traces, outputs)
+            return run_e2e(self, r, rec)
+        outputs = self.execute(backend, item.step, r.traces.inputs(item.step, item.mode, "float32"), r.patches, rec,
+                               item.id)
+        return rec if outputs is None else self.judge(rec, r, outputs)
 
+    # -- export, compile, run ---------------------------------------------------------------
     def execute(self, backend: Backend, step: str, inputs: dict, patches: list[str], rec: Record,
                 run_name: str, tag: str = "") -> list | None:
         """Export (cached), compile (cached) and run `step` on `inputs`. Fills the record's timings,
         cache and audit (keys prefixed with `tag`); on failure sets its verdict and returns None."""
-        import torch
+        program_dir, program_key = self.program(step, inputs, patches, rec, tag)
+        if program_dir is None:
+            return None
+        artifact_dir = self.artifact(backend, step, program_dir, program_key, rec, tag)
+        if artifact_dir is None:
+            return None
+        ok, why = backend.runnable()
+        if not ok:  # compiled (its outcome and audit recorded), cannot run on this machine
+            rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; {why}"
+            return None
+        return self.run_artifact(backend, artifact_dir / backend.artifact_name, inputs, rec, run_name, tag)
 
-        shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
-        # export (once per step, shapes and patches; shared by every backend). Only the patches that
-        # can change this step are applied and keyed, so a backend with an extra LSTM patch shares
-        # the decoder's program with the others.
-        from .patches import affecting, graph_code_digest
+    def program(self, step: str, inputs: dict, patches: list[str], rec: Record,
+                tag: str = "") -> tuple[Path | None, str]:
+        """The step's exported program (harness.programs: the one program key, shared with bisection)."""
+        from .programs import ensure_program
 
-        patches = list(affecting(patches, step))
-
-        program_key = content_key("program", PROGRAM_VERSION, step, shapes, patches, self.model.digest,
-                                  torch.__version__, graph_code_digest(tuple(patches)))
-        program_dir, result = self._cached_job(
-            "programs", program_key, "exports", "harness.programs:export_step", self.limits.export_s,
-            lambda tmp: dict(weights=self.weights, expected_digest=self.model.digest, step=step,
-                             patches=patches, inputs_path=str(_save_inputs(tmp, inputs)),
-                             out_path=str(tmp / "program.pt2")))
+        entry, key, result = ensure_program(self.weights, self.model.digest, step, inputs, patches,
+                                            self.limits.export_s, self.counts)
         rec.cache[f"{tag}program"] = "hit" if result is None else "miss"
         if result is not None:
             rec.timings[f"{tag}export_s"] = result.seconds
             rec.peak_rss_mb[f"{tag}export"] = result.peak_rss_mb
             if not result.ok:
-                _failed(rec, result, Verdict.EXPORT_ERROR)
-                return None
+                failed(rec, result, Verdict.EXPORT_ERROR)
+                return None, key
+        return entry, key
 
-        # compile (once per program and backend version)
-        artifact_key = content_key("artifact", program_key, backend.name, backend.version())
-        artifact_dir, result = self._cached_job(
-            "artifacts", artifact_key, "compiles", "harness.backends:compile_job", self.limits.compile_s,
+    def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,
+                 tag: str = "") -> Path | None:
+        """The backend's compiled artifact (once per program and backend version)."""
+        key = backend.artifact_key(program_key)
+        entry, result = cached_job(
+            "artifacts", key, "harness.backends:compile_job", self.limits.compile_s,
             lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp)),
-            admission_key=f"compile/{backend.name}/{step}")
+            self.counts, admission_key=f"compile/{backend.name}/{step}")
         rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
         if result is not None:
+            self.counts["compiles"] += 1
             rec.timings[f"{tag}compile_s"] = result.seconds
             if result.extra.get("admission_wait_s"):
                 rec.timings[f"{tag}compile_wait_s"] = result.extra["admission_wait_s"]
             rec.peak_rss_mb[f"{tag}compile"] = result.peak_rss_mb
             if not result.ok:
                 rec.audit.update((result.value or {}).get("audit", {}))  # the op audit made before compiling
-                _failed(rec, result, Verdict.COMPILE_ERROR)
+                failed(rec, result, Verdict.COMPILE_ERROR)
                 return None
-        meta = json.loads((artifact_dir / "result.json").read_text())["value"]
+        meta = json.loads((entry / "result.json").read_text())["value"]
         rec.audit.update(meta["audit"])
         rec.artifact_bytes = (rec.artifact_bytes or 0) + meta["artifact_bytes"]
-        ok, why = backend.runnable()
-        if not ok:  # compiled (its outcome and audit recorded), cannot run on this machine
-            rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; {why}"
-            return None
+        return entry
 
-        # run (always)
+    def run_artifact(self, backend: Backend, artifact_path: Path, inputs: dict, rec: Record, run_name: str,
+                     tag: str = "") -> list | None:
+        """Run a compiled artifact on `inputs` in a child process (always; runs are never cached)."""
+        import torch
+
         run_dir = self.report_dir / "runs" / run_name
-        _save_inputs(run_dir, inputs)
+        save_tensors(run_dir / "inputs.pt", inputs)
         result = run_job("harness.backends:run_job",
-                         dict(backend=backend.name, artifact_path=str(artifact_dir / backend.artifact_name),
+                         dict(backend=backend.name, artifact_path=str(artifact_path),
                               inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
                          run_dir, self.limits.run_s)
         self.counts["runs"] += 1
@@ -191,154 +239,56 @@ class Session:
         rec.timings[f"{tag}run_job_s"] = result.seconds
         rec.peak_rss_mb[f"{tag}run"] = result.peak_rss_mb
         if not result.ok:
-            _failed(rec, result, Verdict.RUN_ERROR)
+            failed(rec, result, Verdict.RUN_ERROR)
             return None
         rec.audit.update(result.value.get("audit") or {})
         return torch.load(run_dir / "outputs.pt", weights_only=True)
 
-    def references(self, item: Item, patches: list[str]) -> tuple[dict, dict, dict, tuple[str, ...]]:
-        """(fp32, fp64, unpatched fp32) outputs of the item's effective reference, and its variant.
+    # -- judging ------------------------------------------------------------------------------
+    def judge(self, rec: Record, r: Resolved, outputs: list) -> Record:
+        """Fill the record's metrics, drifts, audio and verdict from the item's outputs."""
+        from .reference import references_for
+        from .verdict import judge_outputs
 
-        A backend is judged against the reference with the same patches its program has; patches
-        that are neutral for a mode's reference are left out (see NEUTRAL_PATCHES)."""
-        from .patches import affecting
-        from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, variant_outputs
+        item, traces = r.item, r.traces
+        refs = references_for(self.model, r.case, traces, item.step, item.mode, rec.patches)
+        names = r.step.output_names
+        valid = lambda name, t: traces.valid_region(item.step, name, t)  # noqa: E731
+        audio_names = [t.name for t in r.step.outputs if "samples" in t.axes.values()]
+        j = judge_outputs(names, outputs, refs, valid, self.profile.for_(item.step, item.backend, item.mode),
+                          audio=lambda: audio_metrics_of(audio_names, dict(zip(names, outputs)), refs.fp64, valid))
+        rec.metrics, rec.patch_drift, rec.rewrite_drift = j.metrics, j.patch_drift, j.rewrite_drift
+        rec.audio_metrics, rec.verdict, rec.reason = j.audio_metrics, j.verdict, j.reason
+        if j.audio_metrics:
+            from .report import write_audio
 
-        traces = self.traces(item.case)
-        base32 = traces.outputs(item.step, item.mode, "float32")
-        variant = affecting([p for p in patches if p not in REFERENCE_PATCHES[item.mode] and p not in NEUTRAL_PATCHES],
-                            item.step)
-        if not variant:
-            return base32, traces.outputs(item.step, item.mode, "float64"), base32, variant
-        ref = variant_outputs(self.model, self.cases[item.case], traces, item.step, item.mode, variant)
-        return ref["float32"], ref["float64"], base32, variant
-
-    def _judge(self, rec: Record, item: Item, traces, outputs) -> Record:
-        from .steps import get_step
-
-        names = get_step(item.step).output_names
-        if len(outputs) != len(names):
-            rec.verdict, rec.reason = Verdict.RUN_ERROR, f"{len(outputs)} outputs, expected {len(names)} ({names})"
-            return rec
-        fp32, fp64, base32, variant = self.references(item, rec.patches)
-        if item.mode == "static":
-            from .reference import dynamic_counterpart
-
-            dynamic32 = dynamic_counterpart(self.model, self.cases[item.case], traces, item.step, variant)
-        for name, out in zip(names, outputs):
-            ref = fp64[name]
-            if tuple(out.shape) != tuple(ref.shape):
-                rec.verdict, rec.reason = Verdict.FAIL, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-                return rec
-            v = lambda t: traces.valid_region(item.step, name, t)  # noqa: E731
-            rec.metrics[name] = compare_to_floor(v(out), v(fp32[name]), v(ref))
-            if variant:
-                drift = error_metrics(v(fp32[name]), v(base32[name]))
-                rec.patch_drift[name] = {k: drift[k] for k in ("rel_l2", "max_abs", "snr_db")}
-            if item.mode == "static":
-                drift = error_metrics(v(fp32[name]), dynamic32[name])
-                rec.rewrite_drift[name] = {k: drift[k] for k in ("rel_l2", "max_abs", "snr_db")}
-                rec.rewrite_drift[name]["floor_rel_l2"] = rec.metrics[name]["floor_rel_l2"]
-        self._write_audio(rec, item, traces, dict(zip(names, outputs)), fp64)
-        rec.audio_metrics = self._audio_metrics(item, traces, dict(zip(names, outputs)), fp64)
-        rec.verdict, rec.reason = judge(rec.metrics, self.profile.for_(item.step, item.backend, item.mode),
-                                        rec.audio_metrics)
+            wavs = {n: (refs.fp64[n], out) for n, out in zip(names, outputs) if n in audio_names}
+            rec.audio.update(write_audio(self.report_dir, item.id, wavs, valid))
         return rec
 
-    def _audio_metrics(self, item: Item, traces, outputs: dict, reference: dict) -> dict:
-        """PESQ, MCD and friends for outputs along `samples` (valid region, against float64)."""
-        from .metrics.audio import audio_metrics
-        from .model import SAMPLE_RATE
-        from .steps import get_step
 
-        out = {}
-        for t in get_step(item.step).outputs:
-            if "samples" in t.axes.values():
-                v = lambda x: traces.valid_region(item.step, t.name, x)[0].double().numpy()  # noqa: E731
-                ref = v(reference[t.name])
-                out[t.name] = {**audio_metrics(ref, v(outputs[t.name])), "duration_s": len(ref) / SAMPLE_RATE}
-        return out
+def audio_metrics_of(names: list[str], outputs: dict, reference: dict, valid) -> dict:
+    """PESQ, MCD and friends for the outputs along `samples` (valid region, against float64)."""
+    from .metrics.audio import audio_metrics
+    from .model import SAMPLE_RATE
 
-    # -- listenable audio for the dashboard (issue 6) ---------------------------------------
-    def _write_audio(self, rec: Record, item: Item, traces, outputs: dict, reference: dict) -> None:
-        """Reference and backend WAVs (valid region) of outputs along `samples`, so that a person can
-        hear a difference that the metrics summarize: <report_dir>/audio/<item_id>/{reference,backend}.wav."""
-        from .metrics.audio import write_wav
-        from .steps import get_step
-
-        names = [t.name for t in get_step(item.step).outputs if "samples" in t.axes.values()]
-        for name in names:
-            prefix = "" if len(names) == 1 else f"{name}-"
-            for role, tensor in (("reference", reference[name]), ("backend", outputs[name])):
-                rel = Path("audio") / item.id / f"{prefix}{role}.wav"
-                write_wav(self.report_dir / rel, traces.valid_region(item.step, name, tensor).detach().cpu().numpy())
-                rec.audio[prefix + role] = rel.as_posix()
-
-    def _cached_job(self, kind, key, counter, function, timeout, make_kwargs,
-                    admission_key: str | None = None) -> tuple[Path, JobResult | None]:
-        """Run a job whose output directory is a cache entry. Returns (entry, None) on a hit.
-        With `admission_key`, the job waits for the memory its last run peaked at (admission.py)."""
-        from . import admission
-
-        entry = cache.entry(kind, key)
-        if cache.lookup(kind, key):
-            self.counts[f"{kind}_hits"] += 1
-            return entry, None
-        outcome: dict = {}
-
-        def build(tmp: Path) -> None:
-            if admission_key is None:
-                result = run_job(function, make_kwargs(tmp), tmp, timeout)
-            else:
-                with admission.admitted(admission_key) as waited:
-                    result = run_job(function, make_kwargs(tmp), tmp, timeout)
-                result.extra["admission_wait_s"] = round(waited, 1)
-                admission.record_peak_mb(admission_key, result.peak_rss_mb)
-            outcome["result"] = result
-            if not result.ok:
-                raise _JobFailed()
-
-        self.counts[counter] += 1
-        self.counts[f"{kind}_misses"] += 1
-        try:
-            entry, hit = cache.get_or_build(kind, key, build)
-        except _JobFailed:
-            return entry, outcome["result"]
-        return entry, outcome.get("result")
+    out = {}
+    for name in names:
+        ref = valid(name, reference[name])[0].double().numpy()
+        out[name] = {**audio_metrics(ref, valid(name, outputs[name])[0].double().numpy()),
+                     "duration_s": len(ref) / SAMPLE_RATE}
+    return out
 
 
-class _JobFailed(Exception):
-    pass
-
-
-def _save_inputs(directory: Path, inputs: dict) -> Path:
-    import torch
-
-    from .files import atomic_write
-
-    directory.mkdir(parents=True, exist_ok=True)
-    return atomic_write(directory / "inputs.pt", lambda f: torch.save([t.contiguous() for t in inputs.values()], f))
-
-
-def _failed(rec: Record, result: JobResult, error_verdict: Verdict) -> Record:
-    rec.verdict = {"crashed": Verdict.CRASHED, "timeout": Verdict.TIMEOUT}.get(result.status, error_verdict)
-    rec.reason = result.error
-    rec.log = result.log_tail
-    return rec
-
-
-def versions(backend: Backend) -> dict[str, str]:
+def versions(backend: Backend | None) -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {"python": platform.python_version(), "harness": __version__, "backend": backend.version(),
-           "platform": platform.platform()}
+    out = {"python": platform.python_version(), "harness": __version__, "platform": platform.platform()}
+    if backend is not None:
+        out["backend"] = backend.version()
     for pkg in ("torch", "kokoro", "numpy"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
     return out
-
-
-def timestamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

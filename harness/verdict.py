@@ -128,3 +128,47 @@ def judge(per_output: dict[str, dict[str, Any]], tol: Tolerance, audio: dict[str
     if failures:
         return Verdict.FAIL, "; ".join(failures)
     return Verdict.PASS, "; ".join(f"{n}: {why}" for n, (ok, why) in checks)
+
+
+@dataclass
+class StepJudgement:
+    """Per-output metrics against float64 (with the floor beside them), the drifts, the verdict."""
+
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    patch_drift: dict[str, dict[str, float]] = field(default_factory=dict)
+    rewrite_drift: dict[str, dict[str, float]] = field(default_factory=dict)
+    audio_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    verdict: Verdict = Verdict.FAIL
+    reason: str = ""
+
+
+DRIFT_KEYS = ("rel_l2", "max_abs", "snr_db")
+
+
+def judge_outputs(names: list[str], outputs: list, refs, valid: Callable[[str, Any], Any], tol: Tolerance,
+                  audio: Callable[[], dict[str, dict[str, Any]]] | None = None) -> StepJudgement:
+    """Judge a step's outputs against `refs` (harness.reference.References) on the valid region
+    (`valid(name, tensor)`): shapes first, then the accuracy rule per output and the audio bars
+    (`audio()` gives the audio metrics, computed once the shapes are known to agree)."""
+    from .metrics.tensor import compare_to_floor, error_metrics
+
+    j = StepJudgement()
+    if len(outputs) != len(names):
+        j.verdict, j.reason = Verdict.RUN_ERROR, f"{len(outputs)} outputs, expected {len(names)} ({names})"
+        return j
+    for name, out in zip(names, outputs):
+        ref = refs.fp64[name]
+        if tuple(out.shape) != tuple(ref.shape):
+            j.reason = f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+            return j
+        j.metrics[name] = compare_to_floor(valid(name, out), valid(name, refs.fp32[name]), valid(name, ref))
+        if refs.variant:
+            drift = error_metrics(valid(name, refs.fp32[name]), valid(name, refs.plain32[name]))
+            j.patch_drift[name] = {k: drift[k] for k in DRIFT_KEYS}
+        if refs.dynamic32 is not None:
+            drift = error_metrics(valid(name, refs.fp32[name]), refs.dynamic32[name])
+            j.rewrite_drift[name] = {**{k: drift[k] for k in DRIFT_KEYS},
+                                     "floor_rel_l2": j.metrics[name]["floor_rel_l2"]}
+    j.audio_metrics = audio() if audio else {}
+    j.verdict, j.reason = judge(j.metrics, tol, j.audio_metrics)
+    return j

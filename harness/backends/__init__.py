@@ -42,6 +42,19 @@ class Backend:
                 versions.append(p)
         return ",".join(versions) or "builtin"
 
+    def artifact_key(self, program_key: str) -> str:
+        """The cache key of this backend's artifact of a program. `version()` is part of it: a
+        backend whose compile depends on its configuration must say so in `version()`."""
+        from ..plumbing.files import content_key
+
+        return content_key("artifact", program_key, self.name, self.version())
+
+    def repro_source(self) -> str | None:
+        """Python source of `run_backend(program, inputs) -> list[Tensor]` for a standalone repro.py:
+        it may import torch, numpy and the backend's own package, nothing of this harness (inline
+        helpers with `inspect.getsource`). None: the bundle's repro.py exits 2, "cannot run here"."""
+        return None
+
     def runnable(self) -> tuple[bool, str]:
         """Whether `run` can execute here; compiling may still work (Core ML converts on Linux and
         predicts only on macOS). When not, the item is SKIPPED with the reason and its audit kept."""
@@ -104,7 +117,7 @@ def backend_names() -> list[str]:
     return list(registry())
 
 
-# ---- job functions (run in the child process by harness.jobs) ------------------------------
+# ---- job functions (run in the child process by harness.plumbing.jobs) ------------------------------
 
 def compile_job(backend: str, program_path: str, out_dir: str) -> dict[str, Any]:
     """Compile one exported program; returns the backend's audit and the artifact size."""
@@ -113,7 +126,7 @@ def compile_job(backend: str, program_path: str, out_dir: str) -> dict[str, Any]
     try:
         audit = dict(b.audit(Path(program_path)) or {})
     except Exception as e:  # noqa: BLE001 - an audit that fails must not hide the compile outcome
-        from ..jobs import first_error_line
+        from ..plumbing.jobs import first_error_line
 
         audit = {"audit_error": first_error_line(e)}
     try:
@@ -121,7 +134,7 @@ def compile_job(backend: str, program_path: str, out_dir: str) -> dict[str, Any]
     except Exception as e:
         audit.update(getattr(b, "compile_audit", None) or {})  # what compile learned before failing
         with contextlib.suppress(AttributeError, TypeError):
-            e.partial = {"audit": audit}  # harness.jobs keeps it as the failed job's value
+            e.partial = {"audit": audit}  # harness.plumbing.jobs keeps it as the failed job's value
         raise
     artifact = out / b.artifact_name
     size = (sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) if artifact.is_dir()
@@ -141,3 +154,14 @@ def run_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: st
     seconds = time.perf_counter() - start
     torch.save([torch.as_tensor(o).detach().clone() for o in outputs], outputs_path)
     return {"run_s": seconds, "n_outputs": len(outputs), "audit": b.run_audit}
+
+
+def compile_run_job(backend: str, program_path: str, out_dir: str, inputs_path: str, outputs_path: str) -> dict:
+    """Job function: compile_job then run_job in one child (a bisection probe); `compiled.json`
+    marks that the compile finished, so a crash after it is known to be the run's."""
+    from ..plumbing.files import atomic_write_json
+
+    compiled = compile_job(backend, program_path, out_dir)
+    atomic_write_json(Path(out_dir) / "compiled.json", compiled)
+    artifact = Path(out_dir) / get_backend(backend).artifact_name
+    return {"compile": compiled, "run": run_job(backend, str(artifact), inputs_path, outputs_path)}

@@ -21,7 +21,7 @@ CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const", "unrolled_lstm")
 def _inference_ir(program):
     """coremltools takes the ATen inference IR (run_decompositions with an empty table), with
     `__and__` renamed to `bitwise_and`, identity `alias` views dropped, and torch's own decompositions of the ops its frontend cannot
-    lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap the harness can close
+    lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap a graph rewrite can close
     is not the user's failure."""
     import torch
     from torch._decomp import decomposition_table
@@ -77,6 +77,25 @@ def mil_gaps(program) -> dict:
             "n_ops": sum(ops.values())}
 
 
+REPRO_RUNNER = '''def run_backend(program, inputs):
+    """coremltools: mlprogram at @PRECISION@ compute precision, predicted with compute units @UNITS@."""
+    import platform
+
+    import coremltools as ct
+
+    model = ct.convert(_inference_ir(program), convert_to="mlprogram",
+                       minimum_deployment_target=ct.target.iOS17, compute_precision=ct.precision.@PRECISION@,
+                       compute_units=ct.ComputeUnit.@UNITS@, skip_model_load=platform.system() != "Darwin")
+    if platform.system() != "Darwin":
+        print(f"converted; Core ML prediction needs macOS (this is {platform.system()}): not run")
+        raise SystemExit(2)
+    spec = model.get_spec()
+    names = [i.name for i in spec.description.input]
+    out = model.predict({n: t.numpy() for n, t in zip(names, inputs)})
+    return [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]
+'''
+
+
 class _CoreMLBackend(Backend):
     requires = ("coremltools",)
     patches = COMMON_PATCHES + CORE_ML_PATCHES
@@ -109,6 +128,14 @@ class _CoreMLBackend(Backend):
         return {"compute_precision": self.precision, "mil_ops": dict(sorted(ops.items())),
                 "inputs": [i.name for i in spec.description.input],
                 "outputs": [o.name for o in spec.description.output]}
+
+    def repro_source(self) -> str:
+        """The graph fixes of `_inference_ir` inlined (the repro converts what the backend converts)."""
+        import inspect
+
+        helpers = "from collections import Counter\n\n\n" + "".join(
+            inspect.getsource(f) + "\n\n" for f in (_kind, _ops, mil_gaps, _inference_ir))
+        return helpers + REPRO_RUNNER.replace("@PRECISION@", self.precision).replace("@UNITS@", self.compute_units)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         import coremltools as ct

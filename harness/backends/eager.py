@@ -19,6 +19,14 @@ class EagerBackend(Backend):
         shutil.copyfile(program_path, out_dir / self.artifact_name)
         return {}
 
+    def repro_source(self) -> str:
+        return '''def run_backend(program, inputs):
+    """PyTorch itself (torch.export program, eager kernels)."""
+    with torch.no_grad():
+        out = program.module()(*inputs)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+'''
+
     def run(self, artifact_path: Path, inputs: list) -> list:
         import torch
 

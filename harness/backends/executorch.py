@@ -23,6 +23,18 @@ def _core_aten_violations(program) -> dict[str, int]:
     return dict(counts)
 
 
+REPRO_RUNNER = '''def run_backend(program, inputs):
+    """ExecuTorch: to_edge_transform_and_lower ({partitioner_name}) -> .pte -> the runtime."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+{partitioner_import}
+    edge = to_edge_transform_and_lower(program, partitioner={partitioners})
+    buffer = edge.to_executorch().buffer
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    return list(method.execute([t.contiguous() for t in inputs]))
+'''
+
+
 class XnnpackBackend(Backend):
     name = "xnnpack"
     requires = ("executorch",)
@@ -38,6 +50,14 @@ class XnnpackBackend(Backend):
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         return [XnnpackPartitioner()]
+
+    # repro.py's runner: the same lowering as `compile`, in ExecuTorch's own API only
+    repro_partitioner = dict(partitioner_name="XnnpackPartitioner", partitioners="[XnnpackPartitioner()]",
+                             partitioner_import="    from executorch.backends.xnnpack.partition.xnnpack_partitioner "
+                                                "import XnnpackPartitioner")
+
+    def repro_source(self) -> str:
+        return REPRO_RUNNER.format(**self.repro_partitioner)
 
     def audit(self, program_path: Path) -> dict:
         import torch
@@ -70,6 +90,8 @@ class PortableBackend(XnnpackBackend):
 
     name = "portable"
     description = "ExecuTorch without a delegate (portable kernels)"
+
+    repro_partitioner = dict(partitioner_name="no delegate: portable kernels", partitioners="[]", partitioner_import="")
 
     def partitioners(self) -> list:
         return []

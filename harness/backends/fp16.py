@@ -75,6 +75,15 @@ def activation_ranges(graph_module, inputs) -> tuple[list, dict]:
         "modules": stats, "first_nonfinite": first_nonfinite[0] if first_nonfinite else None}
 
 
+REPRO_RUNNER = '''def run_backend(program, inputs):
+    """PyTorch in float16 on the CPU: the whole program (weights, constants, hard-coded dtypes)."""
+    half = _to_dtype(program.module(), torch.float16)
+    with torch.no_grad():
+        out = half(*[t.half() if t.is_floating_point() else t for t in inputs])
+    return [o.float() for o in (out if isinstance(out, (tuple, list)) else [out])]
+'''
+
+
 class Fp16Backend(Backend):
     name = "fp16"
     requires = ("torch",)
@@ -85,6 +94,12 @@ class Fp16Backend(Backend):
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         shutil.copyfile(program_path, out_dir / self.artifact_name)
         return {}
+
+    def repro_source(self) -> str:
+        """The dtype rewrite this backend applies, inlined."""
+        import inspect
+
+        return inspect.getsource(_to_dtype) + "\n\n" + REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         import torch

@@ -54,7 +54,7 @@ def export_onnx(program_path: Path, out_path: Path) -> dict:
         onnx_program.save(str(out_path), external_data=False)
         info["exporter"] = "dynamo"
     except Exception as e:  # noqa: BLE001 - a rejection of the dynamo exporter is recorded, then the fallback
-        from ..jobs import first_error_line
+        from ..plumbing.jobs import first_error_line
 
         info["dynamo_error"] = first_error_line(e)
         if not program.example_inputs:
@@ -82,6 +82,48 @@ def input_feed(artifact_path: Path, graph_inputs: list[str], inputs: list) -> di
     return {n: by_name[n] for n in graph_inputs}
 
 
+ORT_REPRO_RUNNER = '''def run_backend(program, inputs):
+    """torch.onnx.export (dynamo exporter, opset 18) -> onnxruntime, CPU execution provider."""
+    import tempfile
+
+    import onnxruntime as ort
+    from torch.export.graph_signature import InputKind
+
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "model.onnx")
+        torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True).save(path, external_data=False)
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feed = dict(zip(names, inputs))
+    out = session.run(None, {i.name: np.ascontiguousarray(feed[i.name].numpy()) for i in session.get_inputs()})
+    return [torch.from_numpy(np.asarray(o)) for o in out]
+'''
+TVM_ONNX_REPRO_RUNNER = '''def run_backend(program, inputs):
+    """torch.onnx.export (dynamo, opset 18) -> TVM Relax ONNX frontend -> relax.build(llvm) -> Relax VM."""
+    import tempfile
+
+    import onnx
+    import tvm
+    from torch.export.graph_signature import InputKind
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "model.onnx")
+        torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True).save(path, external_data=False)
+        model = onnx.load(path)
+    dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name for i in model.graph.input}
+    mod = from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
+    with tvm.transform.PassContext(opt_level=3):
+        vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    feed = dict(zip(names, inputs))
+    out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(feed[i.name].numpy())) for i in model.graph.input])
+    out = out if isinstance(out, (list, tuple)) or not hasattr(out, "numpy") else [out]
+    return [torch.from_numpy(np.array(o.numpy())) for o in out]
+'''
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     requires = ("onnxruntime", "onnx", "onnxscript")
@@ -96,6 +138,9 @@ class OnnxRuntimeBackend(Backend):
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         return export_onnx(program_path, out_dir / ONNX_NAME)
+
+    def repro_source(self) -> str:
+        return ORT_REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         import numpy as np
@@ -148,6 +193,9 @@ class TvmOnnxBackend(Backend):
         build_library(mod, out_dir / self.artifact_name)
         (out_dir / "onnx_inputs.json").write_text(json.dumps([i.name for i in model.graph.input]))
         return self.compile_audit
+
+    def repro_source(self) -> str:
+        return TVM_ONNX_REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         graph_inputs = json.loads((artifact_path.parent / "onnx_inputs.json").read_text())

@@ -88,6 +88,23 @@ def _flatten(value) -> list:
     return out
 
 
+REPRO_RUNNER = '''def run_backend(program, inputs):
+    """torch.export program -> TVM Relax from_exported_program -> relax.build(llvm) -> Relax VM."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    mod = from_exported_program(program, custom_convert_map={"clamp.default": _clamp_int_safe})
+    with tvm.transform.PassContext(opt_level=3):
+        vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
+
+    def flatten(v):
+        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
+    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
+'''
+
+
 class TvmBackend(Backend):
     name = "tvm"
     requires = ("tvm",)
@@ -115,6 +132,12 @@ class TvmBackend(Backend):
         build_library(mod, out_dir / self.artifact_name)
         return {"import_s": import_s, "build_s": time.perf_counter() - start - import_s, "target": TARGET,
                 "converter_fixes": sorted(CONVERTER_FIXES)}
+
+    def repro_source(self) -> str:
+        """The converter fix this backend applies, inlined: the repro imports no harness code."""
+        import inspect
+
+        return inspect.getsource(_clamp_int_safe) + "\n\n" + REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         return run_library(artifact_path, inputs)

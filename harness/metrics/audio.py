@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.files import atomic_write
+from harness.plumbing.files import atomic_write
 
 __all__ = [
     "DYNAMIC_RANGE_DB",

@@ -1,4 +1,4 @@
-"""Memory admission: compiles wait for the memory their last run peaked at (harness.admission)."""
+"""Memory admission: compiles wait for the memory their last run peaked at (harness.plumbing.admission)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from harness import admission
+from harness.plumbing import admission
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_second_job_waits_until_the_first_releases_its_memory():
 
 def test_reservation_of_a_dead_process_is_ignored(tmp_path):
     admission.record_peak_mb("lowering", 4000)
-    code = ("from harness import admission\nimport os\n"
+    code = ("from harness.plumbing import admission\nimport os\n"
             "with admission.admitted('lowering', available=lambda: 6000):\n    os._exit(0)\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ})
     assert list((tmp_path / "cache" / "admission").glob("*.reservation"))  # left behind by os._exit

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.backends import backend_names, compile_job, get_backend
-from harness.jobs import run_job
+from harness.plumbing.jobs import run_job
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = Path(__file__).resolve().parent / "example_backend"
@@ -491,7 +491,7 @@ def test_user_artifacts_are_described_and_run(user_artifacts, small_program, nam
 def tiny_session(tmp_path_factory, example_backends):
     """A Session on the seeded random model and a short case (speed 4, so few frames), with its
     own cache: items run end to end (export, compile, run, verdict) in child processes."""
-    from harness.cache import CACHE_ENV
+    from harness.plumbing.cache import CACHE_ENV
     from harness.cases import load_cases, write_case
     from harness.runner import Limits, Session
 
@@ -585,7 +585,7 @@ def test_programs_hold_only_the_parts_their_step_reads(tiny_session):
     program used to carry all 82M parameters) and still passes."""
     import json
 
-    from harness.cache import cache_dir
+    from harness.plumbing.cache import cache_dir
     from harness.runner import Item
     from harness.verdict import Verdict
 

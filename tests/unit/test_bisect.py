@@ -21,7 +21,8 @@ import torch
 
 from harness.backends import EXTRA_ENV
 from harness.backends.eager import EagerBackend
-from harness.bisect import Bisector, StepGraph, evaluate, format_bisect, module_path, restore_names
+from harness.bisect import Bisector, StepGraph, evaluate, module_path, restore_names
+from harness.report import format_bisect
 from harness.verdict import Tolerance
 
 from .faulty_backend import FAULT_ENV, insert_fault
@@ -326,7 +327,7 @@ class _TinyConv(torch.nn.Module):
 
 def _tiny_bundle(tmp_path: Path, backend_name: str) -> Path:
     from harness.backends import get_backend
-    from harness.bisect import render_repro
+    from harness.repro import render_repro
 
     torch.manual_seed(0)
     model, x = _TinyConv().eval(), torch.randn(1, 8, 64)

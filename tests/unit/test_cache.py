@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harness import cache
+from harness.plumbing import cache
 
 
 @pytest.fixture

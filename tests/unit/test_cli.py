@@ -23,7 +23,7 @@ def test_cache_prune_and_info(tmp_path, monkeypatch, capsys):
     import os
     import time
 
-    from harness import cache
+    from harness.plumbing import cache
 
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     path, _ = cache.get_or_build("programs", "k", lambda tmp: (tmp / "blob").write_bytes(b"x" * 4096))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from harness.jobs import run_job
+from harness.plumbing.jobs import run_job
 
 
 def ok_job(x: int) -> dict:

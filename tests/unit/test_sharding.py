@@ -36,7 +36,7 @@ def exports(stdout):
 def shared_cache(path: Path) -> Path:
     """A fresh program/artifact cache that shares the user cache's weights and traces (content-
     addressed, so sharing is safe): what is measured here is exporting, not the references."""
-    from harness.cache import cache_dir
+    from harness.plumbing.cache import cache_dir
 
     path.mkdir()
     for kind in ("weights", "traces"):

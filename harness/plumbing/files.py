@@ -72,3 +72,33 @@ def content_key(*parts: Any) -> str:
     """The one function that makes cache keys: a short sha256 of a canonical JSON of `parts`."""
     blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def canonical(t):
+    """A copy of `t` with the standard (row-major) strides, also along size-1 axes.
+
+    torch calls a [1, N, 1] tensor with strides (1, 1, N) contiguous (a size-1 axis's stride never
+    matters to it), so `.contiguous()` returns it as it is; ExecuTorch derives a dim order from the
+    strides and then rejects an op whose inputs' dim orders differ ("3 input tensors have different
+    dim orders", XNNPACK: "Propagating input shapes failed"). Every tensor a job receives is made
+    canonical here."""
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t) if t.stride() != _row_major(t.shape) else t
+
+
+def _row_major(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def save_tensors(path: str | os.PathLike, tensors) -> Path:
+    """Save a list (or the values of a dict) of tensors atomically, each with canonical strides:
+    the inputs file of an export, compile or run job."""
+    import torch
+
+    values = list(tensors.values()) if isinstance(tensors, dict) else list(tensors)
+    return atomic_write(path, lambda f: torch.save([canonical(t) for t in values], f))

@@ -46,7 +46,7 @@ def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float
     log_path = workdir / "log.txt"
     start = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.jobs", str(workdir)], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "harness.plumbing.jobs", str(workdir)], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
         status, polled_peak = _wait(proc, timeout)
@@ -122,6 +122,46 @@ def _tail(path: Path, lines: int = 30) -> str:
 def first_error_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+class _BuildFailed(Exception):
+    pass
+
+
+def cached_job(kind: str, key: str, function: str, timeout: float, make_kwargs, counts=None,
+               admission_key: str | None = None) -> tuple[Path, JobResult | None]:
+    """Run a job whose output directory is a cache entry (`kind`, `key`); nothing is cached when
+    the job fails. Returns (entry, None) on a hit, else (entry, the job's result). With
+    `admission_key`, the job first waits for the memory its last run peaked at (admission.py).
+    `counts` (a Counter) gets `<kind>_hits` / `<kind>_misses`."""
+    from . import admission, cache
+
+    entry = cache.entry(kind, key)
+    if cache.lookup(kind, key):
+        if counts is not None:
+            counts[f"{kind}_hits"] += 1
+        return entry, None
+    outcome: dict = {}
+
+    def build(tmp: Path) -> None:
+        if admission_key is None:
+            result = run_job(function, make_kwargs(tmp), tmp, timeout)
+        else:
+            with admission.admitted(admission_key) as waited:
+                result = run_job(function, make_kwargs(tmp), tmp, timeout)
+            result.extra["admission_wait_s"] = round(waited, 1)
+            admission.record_peak_mb(admission_key, result.peak_rss_mb)
+        outcome["result"] = result
+        if not result.ok:
+            raise _BuildFailed()
+
+    if counts is not None:
+        counts[f"{kind}_misses"] += 1
+    try:
+        entry, _ = cache.get_or_build(kind, key, build)
+    except _BuildFailed:
+        pass
+    return entry, outcome.get("result")
 
 
 def _child(workdir: Path) -> None:

@@ -1,0 +1,304 @@
+"""Bisection: from a failing item to the first diverging module and op, and a standalone repro.
+
+Everything happens on the step's exported graph, in one name space (`graph`). A probe (`probe`)
+carves a subprogram out of it, compiles and runs it on the backend through the item's jobs and
+cache, and judges each output against the same subprogram's fp32 and fp64 values.
+
+- Module stage: the step's modules (`depth` levels below the step's module) in completion order.
+  The cut after module k outputs every value still live there, from the step's own inputs, so an
+  error made anywhere before is seen at it; a binary search (`search.first_failing`) finds the
+  first module whose cut diverges, in log2(modules) probes.
+- Op stage: the same search over the float ops between the previous module's cut and that one.
+- Local or accumulated: the op alone on exact inputs. If that passes, the error is accumulated,
+  and the shortest window ending at the op that still fails is the repro.
+- A probe that cannot compile or run, while the item's whole program could, has no answer: the
+  search steps past it and never names it; it is kept as a finding (`probe_failures`). When the
+  item itself did not compile or run, a probe that does not compile or run is the failure being
+  localized: the search then finds the smallest subgraph that still fails to convert.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from .graph import BisectError, StepGraph, evaluate, is_float, module_path, module_stack, restore_names, \
+    source_line, strip_kmodel
+from .probe import Probe, key_metrics, run_probe
+from .search import first_failing
+
+__all__ = ["BISECTABLE", "BisectError", "Bisector", "StepGraph", "bisect_item", "evaluate", "module_path",
+           "restore_names"]
+
+BISECTABLE = ("fail", "run_error", "crashed", "compile_error")
+ERRORS = ("run_error", "crashed", "compile_error")  # item verdicts whose probes localize an error, not a value
+SKIP_MODULE_TYPES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.",
+                     "torch.nn.modules.linear.Identity")
+
+
+class Bisector:
+    """One item's localization: module stage, op stage, local/accumulated, repro bundle.
+
+    Works on a program file and its inputs, so tests can bisect a program they exported
+    themselves; `for_item` builds one from a runner Session and an Item."""
+
+    def __init__(self, program_path: Path, program_key: str, inputs: list, backend: str, tol, step: str,
+                 report_dir: Path, item_id: str, limits=None, depth: int = 2,
+                 log: Callable[[str], None] | None = None, errors_count: bool = False):
+        from ..backends import get_backend
+        from ..runner import Limits
+        from ..steps import get_step
+        from ..verdict import comparator
+
+        self.program_key, self.item_id, self.depth, self.errors_count = program_key, item_id, depth, errors_count
+        self.log = log or (lambda msg: None)
+        self.backend = get_backend(backend)
+        self.step = get_step(step)
+        self.tol = tol
+        self.check = comparator(tol)
+        self.limits = limits or Limits()
+        self.report_dir = Path(report_dir)
+        self.graph = StepGraph(Path(program_path), list(inputs))
+        self.graph.program_key = program_key
+        self.counts: Counter = Counter()
+        self.probes: list[Probe] = []
+        self.run_root = self.report_dir / "runs" / item_id / "bisect"
+
+    @classmethod
+    def for_item(cls, session, item, depth: int = 2, log=None, verdict: str = "fail") -> "Bisector":
+        """The item's own program: the same key and cache entry as the runner's (programs.ensure_program)."""
+        from ..backends import get_backend
+        from ..programs import ensure_program
+
+        backend = get_backend(item.backend)
+        inputs = session.traces(item.case).inputs(item.step, item.mode, "float32")
+        entry, key, result = ensure_program(session.weights, session.model.digest, item.step, inputs,
+                                            session.patches_for(backend), session.limits.export_s, session.counts)
+        if result is not None and not result.ok:
+            raise BisectError(f"the step does not export: {result.error}")
+        return cls(entry / "program.pt2", key, list(inputs.values()), item.backend,
+                   session.profile.for_(item.step, item.backend, item.mode), item.step, session.report_dir,
+                   item.id, session.limits, depth, log, errors_count=verdict in ERRORS)
+
+    # -- one probe ------------------------------------------------------------------------
+    def probe(self, phase: str, label: str, outputs: list[str], stop=()) -> Probe:
+        p = run_probe(self.graph, self.backend, self.check, self.limits, self.run_root, phase, label, outputs, stop)
+        compiled = p.compile == "miss"
+        self.counts["compiles" if compiled else "compile_hits"] += 1
+        self.counts[f"{phase}_compiles"] += compiled
+        self.counts["runs"] += p.status != "compile_error"
+        self.probes.append(p)
+        self.log(f"  {phase:7s} {label:40s} {p.n_ops:5d} ops  {p.status:13s} compile {p.compile}  {p.why[:90]}")
+        return p
+
+    def diverges(self, p: Probe) -> bool | None:
+        return p.diverges(self.errors_count)
+
+    # -- cuts -----------------------------------------------------------------------------
+    def float_ops(self, region: set[str] | None = None) -> list:
+        return [n for n in self.graph.nodes if n.op == "call_function" and is_float(n)
+                and (region is None or n.name in region)]
+
+    def live_at(self, cands: list, i: int, keep: set[str], outputs: list[str]) -> list[str]:
+        """cands[i] and every earlier candidate still used after it (or an output of the region)."""
+        pos = self.graph.pos
+        cut = pos[cands[i].name]
+        out = []
+        for c in cands[:i + 1]:
+            later = [pos[u.name] for u in c.users if u.name in keep]
+            if c is cands[i] or c.name in outputs or any(u.name not in keep for u in c.users) \
+                    or max(later, default=-1) > cut:
+                out.append(c.name)
+        return out
+
+    # -- module stage ---------------------------------------------------------------------
+    def modules(self) -> list[dict]:
+        """Modules `depth` levels below the step's module(s), with their boundary, in completion order."""
+        roots = {"kmodel." + p for p in self.step.module_path.split("+")}
+        members: dict[str, set] = {}
+        types: dict[str, str] = {}
+        for n in self.graph.nodes:
+            if n.op != "call_function":
+                continue
+            stack = module_stack(n)
+            for i, (path, _) in enumerate(stack):
+                if path in roots:
+                    for sub, typ in stack[i + 1:i + 1 + self.depth]:
+                        members.setdefault(sub, set()).add(n.name)
+                        types[sub] = str(typ)
+                    break
+        out = []
+        node, pos = self.graph.node, self.graph.pos
+        for path, names in members.items():
+            if types[path].startswith(SKIP_MODULE_TYPES):
+                continue
+            outs = [x for x in sorted(names, key=pos.__getitem__) if is_float(node[x])
+                    and (x in self.graph.outputs or any(u.name not in names for u in node[x].users))]
+            if not outs:
+                continue
+            stop = sorted({a.name for x in names for a in node[x].all_input_nodes
+                           if a.name not in names and a.op != "get_attr"}, key=pos.__getitem__)
+            out.append({"path": path, "type": types[path], "outputs": outs, "stop": stop,
+                        "end": max(pos[x] for x in names), "last": max(outs, key=pos.__getitem__)})
+        return sorted(out, key=lambda m: m["end"])
+
+    def module_stage(self) -> tuple[dict | None, list[dict], list]:
+        """(first module whose cut diverges, the table of probed cuts, float ops after the cut before it)."""
+        mods = self.modules()
+        keep, _ = self.graph.closure(self.graph.outputs, [])
+        cands = self.float_ops(keep)
+        index = {c.name: i for i, c in enumerate(cands)}
+        cuts = []  # (candidate index of the module's last float output, module), one per distinct cut
+        for m in mods:
+            i = index.get(m["last"])
+            if i is not None and (not cuts or cuts[-1][0] != i):
+                cuts.append((i, m))
+        rows = {}
+
+        def fails(j: int) -> bool | None:
+            i, m = cuts[j]
+            p = self.probe("module", strip_kmodel(m["path"]), self.live_at(cands, i, keep, self.graph.outputs))
+            worst = max(p.metrics.values(), key=lambda x: _num(x.get("floor_ratio")), default={})
+            rows[j] = {"module": strip_kmodel(m["path"]), "type": m["type"].rsplit(".", 1)[-1], "status": p.status,
+                       "cut": cands[i].name, "n_ops": p.n_ops, "why": p.why, **worst}
+            return self.diverges(p)
+
+        found = first_failing(len(cuts), fails)
+        table = [rows[j] for j in sorted(rows)]
+        if found.index is None:
+            return None, table, cands
+        lo = cuts[found.index - 1][0] + 1 if found.index > 0 else 0
+        region = cands[lo:cuts[found.index][0] + 1]
+        return cuts[found.index][1], table, region
+
+    # -- op stage -------------------------------------------------------------------------
+    def op_stage(self, region: list | None = None) -> dict | None:
+        """The first float op (of `region`, default all) whose prefix cut diverges."""
+        graph = self.graph
+        keep, _ = graph.closure(graph.outputs, [])
+        cands = self.float_ops(keep)
+        if not cands:
+            return None
+        names = [c.name for c in (region or cands)]
+        index = {c.name: i for i, c in enumerate(cands)}
+        probes: dict[int, Probe] = {}
+
+        def fails(j: int) -> bool | None:
+            i = index[names[j]]
+            probes[j] = self.probe("bisect", names[j], self.live_at(cands, i, keep, graph.outputs))
+            return self.diverges(probes[j])
+
+        found = first_failing(len(names), fails)
+        if found.index is None:
+            return {"n_nodes": len(names), "localized": False}
+        k = graph.node[names[found.index]]
+        before_probe = next((probes[j] for j in range(found.index - 1, -1, -1) if j in probes and probes[j].ran), None)
+        before = {}
+        for a in k.all_input_nodes:
+            if a.op == "placeholder":
+                before[a.name] = "exact (reference input)"
+            elif before_probe is not None and a.name in before_probe.metrics:
+                before[a.name] = before_probe.metrics[a.name]
+        local = self.probe("local", k.name, [k.name], [a.name for a in k.all_input_nodes if a.op != "get_attr"])
+        window = local if self.diverges(local) else self.window(k, cands)
+        uncertain = found.uncertain_from
+        return {"n_nodes": len(names), "localized": True, "node": k, "after": probes[found.index], "before": before,
+                "kind": _kind(self.diverges(local)), "local": local, "window": window,
+                "previous": names[found.index - 1] if found.index > 0 else None,
+                "uncertain_from": names[uncertain] if uncertain is not None else None}
+
+    def window(self, k, cands: list) -> Probe:
+        """Accumulated: the shortest window ending at k that still fails (the latest start)."""
+        graph = self.graph
+        ancestors, _ = graph.closure([k.name], [])
+        starts = [c for c in cands if c.name in ancestors and graph.pos[c.name] <= graph.pos[k.name]]
+        probes: dict[int, Probe] = {}
+
+        def fails(j: int) -> bool | None:  # j = 0: the op alone; larger j: longer windows
+            s = starts[len(starts) - 1 - j]
+            early = [a for a in ancestors if graph.pos[a] < graph.pos[s.name]]
+            probes[j] = self.probe("window", f"{s.name}..{k.name}", [k.name], early)
+            return self.diverges(probes[j])
+
+        found = first_failing(len(starts), fails)
+        return probes[found.index] if found.index is not None else probes[max(probes)]
+
+    # -- the whole localization -----------------------------------------------------------
+    def run(self, repro: bool = True, verify: bool = True) -> dict:
+        start = time.monotonic()
+        out: dict[str, Any] = {"version": 5, "backend": self.backend.name, "depth": self.depth,
+                               "searching": "errors" if self.errors_count else "values"}
+        first, table, region = self.module_stage() if self.depth > 0 else (None, [], None)
+        out["modules"] = table
+        out["module_compiles"] = self.counts["module_compiles"]
+        out["first_module"] = strip_kmodel(first["path"]) if first else None
+        out["region"] = f"module {out['first_module']}" if first else f"step {self.step.name}"
+        self.log(f"op-level bisection in {out['region']}")
+        op = self.op_stage(region if first else None)
+        out["n_nodes"] = op["n_nodes"] if op else 0
+        out["n_graph_ops"] = sum(1 for n in self.graph.nodes if n.op == "call_function")
+        out["bisect_compiles"] = sum(1 for p in self.probes if p.phase == "bisect")
+        out["probe_failures"] = [p.summary() for p in self.probes if not p.ran and not self.errors_count]
+        if not op or not op["localized"]:
+            out["status"] = "not_localized"
+            out["message"] = (f"every probe of {out['region']} passes on {self.backend.name}: the failure is not in "
+                              f"a node's value (a shape, the valid region, or a crash of the whole program?)")
+        else:
+            out.update(self._localized(op))
+            if repro:
+                from ..repro import write_bundle
+
+                out["repro"] = write_bundle(self, op, verify=verify)
+        out["compiles"] = self.counts["compiles"]
+        out["compile_hits"] = self.counts["compile_hits"]
+        out["runs"] = self.counts["runs"]
+        out["probes"] = [p.summary() for p in self.probes]
+        out["seconds"] = round(time.monotonic() - start, 1)
+        return out
+
+    def _localized(self, op: dict) -> dict:
+        k, after = op["node"], op["after"]
+        local = op["local"]
+        first_op = {
+            "node": k.name, "op": str(k.target), "module": module_path(k), "source": source_line(k),
+            "kind": op["kind"], "status": after.status,
+            "why": next((w for w in after.why.split("; ") if w.startswith(k.name + ":")), after.why),
+            "after": after.metrics.get(k.name, {}), "before": op["before"], "previous_node": op["previous"],
+            "local": {"status": local.status, **key_metrics(local.metrics.get(k.name, {}))}}
+        if op["uncertain_from"]:
+            first_op["uncertain_from"] = op["uncertain_from"]
+        message = f"first diverging op {k.name} ({k.target}, {op['kind']}) in {module_path(k)} at {source_line(k)}"
+        if op["uncertain_from"]:
+            message += f" (or from {op['uncertain_from']} on: the probes before it could not run)"
+        return {"status": "localized", "first_op": first_op, "message": message,
+                "window": {"label": op["window"].label, "n_ops": op["window"].n_ops, "status": op["window"].status}}
+
+
+def _kind(local_diverges: bool | None) -> str:
+    return {True: "local", False: "accumulated", None: "undetermined"}[local_diverges]
+
+
+def _num(v) -> float:
+    return v if isinstance(v, (int, float)) and not math.isnan(v) else math.inf if v is not None else 0.0
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+def bisect_item(session, item, record=None, depth: int = 2, repro: bool = True, verify: bool = True,
+                log: Callable[[str], None] | None = None) -> dict:
+    """Localize one item; the result goes into `record.bisect` (rewritten) when given."""
+    import traceback
+
+    from ..plumbing.jobs import first_error_line
+
+    verdict = record.verdict.value if record is not None else "fail"
+    try:
+        result = Bisector.for_item(session, item, depth=depth, log=log, verdict=verdict).run(repro=repro, verify=verify)
+    except Exception as e:  # noqa: BLE001 - a bisection that cannot run is reported, not raised
+        result = {"status": "error", "message": first_error_line(e), "traceback": traceback.format_exc()[-4000:]}
+    if record is not None:
+        record.bisect = result
+        record.write(Path(session.report_dir) / "records")
+    return result

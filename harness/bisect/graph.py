@@ -1,0 +1,239 @@
+"""The step's program as an FX graph: carve subprograms, evaluate them in fp32 and fp64, and give
+exported subprograms the step's node names back. Graph surgery only: no backend, no search."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class BisectError(RuntimeError):
+    """Bisection itself could not proceed (not a finding about the backend)."""
+
+
+def is_tensor(node) -> bool:
+    import torch
+
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def is_float(node) -> bool:
+    return is_tensor(node) and node.meta["val"].is_floating_point()
+
+
+def _mutates(node) -> bool:
+    import torch
+
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def source_line(node) -> str:
+    """The last frame of the node's stack trace inside kokoro or the harness's patched forwards,
+    else the last one outside torch, as `kokoro/istftnet.py:31 in forward: <code>`."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    frames = []
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if s.startswith('File "'):
+            path, _, rest = s[6:].partition('", line ')
+            lineno, _, func = rest.partition(", in ")
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File") else ""
+            frames.append((path, lineno, func, code))
+    if not frames:
+        return ""
+    inside = [f for f in frames if "/kokoro/" in f[0] or "/harness/patches/" in f[0]]
+    outside_torch = [f for f in frames if "site-packages/torch/" not in f[0]]
+    path, lineno, func, code = (inside or outside_torch or frames)[-1]
+    short = path.split("site-packages/")[-1]
+    short = "harness/" + short.split("/harness/")[-1] if "/harness/" in short else short
+    return f"{short}:{lineno} in {func}: {code}"
+
+
+def module_stack(node) -> list[tuple[str, str]]:
+    """(full path, type) from the outermost module in; a patched forward (kokoro's
+    DurationEncoder) records its children relative to itself, so relative paths are joined."""
+    out: list[tuple[str, str]] = []
+    prev_raw, prev_base = None, ""
+    for raw, typ in (node.meta.get("nn_module_stack") or {}).values():
+        base = ""
+        if out and out[-1][0] and raw and not raw.startswith(out[-1][0] + "."):
+            if prev_raw and raw.startswith(prev_raw + "."):
+                base = prev_base  # relative to the same module as the entry before
+            else:
+                base = out[-1][0] + "."
+        out.append((base + raw, str(typ)))
+        prev_raw, prev_base = raw, base
+    return out
+
+
+def module_path(node) -> str:
+    stack = module_stack(node)
+    return strip_kmodel(stack[-1][0]) if stack else ""
+
+
+
+def strip_kmodel(path: str) -> str:
+    return path[len("kmodel."):] if path.startswith("kmodel.") else path
+
+
+class StepGraph:
+    """The step's program as an unlifted FX graph: carve subprograms, evaluate references."""
+
+    def __init__(self, program_path: Path, inputs: list):
+        import torch
+        from torch.utils import _pytree as pytree
+
+        self.program = torch.export.load(str(program_path))
+        self.gm = self.program.module()
+        self.nodes = list(self.gm.graph.nodes)
+        self.pos = {n.name: i for i, n in enumerate(self.nodes)}
+        self.node = {n.name: n for n in self.nodes}
+        placeholders = [n.name for n in self.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise BisectError(f"program has {len(placeholders)} inputs, the item {len(inputs)}")
+        self.inputs = dict(zip(placeholders, inputs))
+        out = next(n for n in self.nodes if n.op == "output")
+        self.outputs = [a.name for a in pytree.tree_leaves(out.args) if hasattr(a, "op")]
+        self._values32: dict[str, Any] = {}
+
+    def closure(self, outputs: list[str], stop) -> tuple[set[str], list[str]]:
+        """Nodes that `outputs` need, stopping at placeholders and at tensor-valued `stop` nodes
+        (the subprogram's inputs, returned in graph order). A non-tensor stop is replaced by its
+        inputs, and a value mutated in place inside is pulled inside (no input mutation)."""
+        stop = set(stop)
+        while True:
+            keep, boundary, stack = set(), set(), list(outputs)
+            while stack:
+                name = stack.pop()
+                if name in keep:
+                    continue
+                keep.add(name)
+                n = self.node[name]
+                if n.op == "placeholder" or (name in stop and name not in outputs and is_tensor(n)):
+                    boundary.add(name)
+                    continue
+                if name in stop:
+                    stop.update(a.name for a in n.all_input_nodes if a.op != "get_attr")
+                stack.extend(a.name for a in n.all_input_nodes)
+            mutated = {n.args[0].name for n in (self.node[k] for k in keep - boundary)
+                       if _mutates(n) and n.args and hasattr(n.args[0], "op")}
+            pull = {b for b in boundary & mutated if self.node[b].op != "placeholder"}
+            if not pull:
+                return keep, sorted(boundary, key=self.pos.__getitem__)
+            for b in pull:
+                stop.discard(b)
+                stop.update(a.name for a in self.node[b].all_input_nodes if a.op != "get_attr")
+
+    def carve(self, outputs: list[str], stop=()):
+        """A standalone GraphModule computing `outputs` from the closure's inputs; node names and
+        metadata (module stack, source lines) are the step's."""
+        import torch.fx as fx
+
+        keep, inputs = self.closure(outputs, stop)
+        graph = fx.Graph()
+        env = {}
+        for name in inputs:
+            n = self.node[name]
+            env[n] = graph.placeholder(name)
+            env[n].meta = dict(n.meta)
+        for n in self.nodes:
+            if n.name in keep and n not in env:
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        graph.output(tuple(env[self.node[o]] for o in outputs))
+        return fx.GraphModule(self.gm, graph), inputs
+
+    def values32(self, names: list[str]) -> list:
+        """fp32 reference values of step nodes (the FX interpreter on the item's inputs)."""
+        missing = [n for n in names if n not in self._values32 and n not in self.inputs]
+        if missing:
+            gm, inputs = self.carve(missing)
+            for name, v in zip(missing, evaluate(gm, [self.inputs[i] for i in inputs], "float32")):
+                self._values32[name] = v
+        return [self.inputs[n] if n in self.inputs else self._values32[n] for n in names]
+
+
+def _as_float64(gm):
+    import copy
+
+    import torch
+
+    gm = copy.deepcopy(gm)
+    promote = lambda a: torch.float64 if a is torch.float32 else a  # noqa: E731
+    for node in gm.graph.nodes:
+        if node.op == "call_function":  # zeros(..., dtype=float32), to(float32): traced at fp32
+            node.args = torch.fx.node.map_aggregate(node.args, promote)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, promote)
+        if node.op != "get_attr":
+            continue
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        value = getattr(owner, attr)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if isinstance(value, torch.nn.Parameter):
+                setattr(owner, attr, torch.nn.Parameter(value.detach().double(), requires_grad=False))
+            else:
+                setattr(owner, attr, value.double())
+    gm.recompile()
+    return gm
+
+
+def evaluate(gm, inputs: list, dtype: str) -> list:
+    """Run a carved GraphModule with torch.fx.Interpreter; float64 casts parameters, constants and
+    float inputs, and turns the float32 that tracing baked into ops (LSTM states, casts) into float64."""
+    import torch
+    import torch.fx as fx
+
+    if dtype == "float64":
+        gm = _as_float64(gm)
+    args = [(t.double() if dtype == "float64" and t.is_floating_point() else t).clone() for t in inputs]
+    with torch.no_grad():
+        out = fx.Interpreter(gm).run(*args)
+    return [o.detach() for o in out]
+
+
+def restore_names(program, carved) -> bool:
+    """Give the exported subprogram's nodes the step's names (export numbers them afresh), so a
+    node is called the same in the step, in every probe, in the repro and in a backend's log.
+    The map is export's own provenance (node.meta["from_node"]); getitems of a multi-output op
+    map by index, and those export adds for unused outputs get a name no step node has.
+    Returns whether every carved node found its name."""
+    import operator
+
+    src = {n.name: n for n in carved.graph.nodes if n.op == "call_function"}
+    getitems = {(n.args[0].name, n.args[1]): n.name for n in src.values()
+                if n.target is operator.getitem and hasattr(n.args[0], "name")}
+    dst = [n for n in program.graph.nodes if n.op == "call_function"]
+    want = {}
+    for n in dst:
+        origin = [f.name for f in (n.meta.get("from_node") or [])]
+        if not origin:
+            continue
+        if n.target is operator.getitem:
+            parent = want.get(n.args[0].name)
+            if parent is not None:
+                want[n.name] = getitems.get((parent, n.args[1]), f"{parent}__out{n.args[1]}")
+        elif origin[0] in src and src[origin[0]].target == n.target:
+            want[n.name] = origin[0]
+    if len(set(want.values())) != len(want):
+        return False
+    renamed = {}
+    for i, n in enumerate(dst):  # through temporary names, so no rename collides
+        renamed[f"__bisect_{i}"] = n.name
+        n._rename(f"__bisect_{i}")
+    namespace = program.graph._graph_namespace  # fx renumbers suffix-less names: set them directly
+    new = {}
+    for n in dst:
+        old = renamed[n.name]
+        name = want.get(old)
+        if name is None:
+            n._rename(old if old not in src else f"{old}__export")
+        else:
+            n.name = name
+            namespace._used_names.add(name)
+            namespace._obj_to_name[n] = name
+        new[old] = n.name
+    for spec in program.graph_signature.output_specs:
+        if spec.arg is not None and getattr(spec.arg, "name", None) in new:
+            spec.arg.name = new[spec.arg.name]
+    program.graph_module.recompile()
+    return set(src) <= {n.name for n in dst}
+

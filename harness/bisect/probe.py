@@ -1,0 +1,173 @@
+"""A probe: one subprogram of the step, compiled and run on the backend, each output judged
+against the same subprogram's fp32 and fp64 values (torch's noise-floor rule, per node).
+
+Probes go through the same child-process jobs and the same artifact cache as items (keyed by the
+backend's `artifact_key`), so a probe compiled for one fault or item is reused by the next.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..plumbing.files import atomic_write_json, content_key, save_tensors
+from .graph import BisectError, evaluate, restore_names
+
+BISECT_VERSION = 5  # bump when carving or exporting probes changes: it invalidates cached probes
+KEY_METRICS = ("rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "cosine", "nan_rate", "new_nonfinite")
+NO_ANSWER = ("compile_error", "run_error", "crashed", "timeout")  # statuses of a probe that did not run
+
+
+def key_metrics(m: dict) -> dict:
+    return {k: m[k] for k in KEY_METRICS if k in m}
+
+
+@dataclass
+class Probe:
+    """What one probe did and found. `status`: pass, fail, or one of NO_ANSWER."""
+
+    phase: str  # module | bisect | local | window
+    label: str
+    outputs: list[str]
+    inputs: list[str]
+    n_ops: int
+    key: str
+    status: str = ""
+    why: str = ""
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failing: list[str] = field(default_factory=list)
+    compile: str = "miss"
+    seconds: float = 0.0
+    timing: dict[str, float] = field(default_factory=dict)
+    log: str = ""
+
+    @property
+    def ran(self) -> bool:
+        return self.status in ("pass", "fail")
+
+    def diverges(self, errors_count: bool) -> bool | None:
+        """True (diverges), False (matches) or None (no answer). With `errors_count`, a probe that
+        does not compile or run is itself the failure being localized (an item that did not
+        compile); otherwise it says nothing about values (an item whose values were wrong)."""
+        if self.ran:
+            return self.status == "fail"
+        return True if errors_count else None
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("outputs", "key") and v not in ("", {}, [])}
+
+
+def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list, str, Path]:
+    """Carve and export the subprogram (cached by content): (carved gm, input names, input values,
+    key, cache entry with program.pt2 and inputs.pt)."""
+    import torch
+
+    from ..plumbing import cache
+
+    gm, in_names = graph.carve(outputs, stop)
+    inputs = graph.values32(in_names)
+    key = content_key("bisect-probe", BISECT_VERSION, graph.program_key, outputs, in_names)
+
+    def build(tmp: Path) -> None:
+        with torch.no_grad():
+            program = torch.export.export(gm, tuple(inputs), strict=False)
+        if not restore_names(program, gm):
+            raise BisectError("export renamed nodes beyond recovery")
+        torch.export.save(program, str(tmp / "program.pt2"))
+        save_tensors(tmp / "inputs.pt", inputs)
+        atomic_write_json(tmp / "probe.json", {"outputs": outputs, "inputs": in_names})
+
+    try:
+        entry, _ = cache.get_or_build("bisect", key, build)
+    except Exception as e:  # noqa: BLE001 - the harness's own limit, reported as such
+        raise BisectError(f"cannot export the subprogram ending in {outputs[-1]}: {type(e).__name__}: {e}") from e
+    return gm, in_names, inputs, key, entry
+
+
+def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits) -> tuple[str | None, Any, bool]:
+    """Compile (through the artifact cache) and run, in child processes; on a cache miss both
+    happen in one child, which halves the interpreter start-ups of a bisection. Returns (the
+    phase that failed or None, JobResult, compiled now?)."""
+    from ..plumbing import cache
+    from ..plumbing.jobs import run_job
+
+    key = backend.artifact_key(probe_key)
+    outputs_path = run_dir / "outputs.pt"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outputs_path.unlink(missing_ok=True)
+    run_kwargs = dict(backend=backend.name, inputs_path=str(entry / "inputs.pt"), outputs_path=str(outputs_path))
+    if cache.lookup("artifacts", key):
+        result = run_job("harness.backends:run_job",
+                         dict(run_kwargs, artifact_path=str(cache.entry("artifacts", key) / backend.artifact_name)),
+                         run_dir, limits.run_s)
+        return (None if result.ok else "run"), result, False
+    outcome = {}
+
+    def build(tmp: Path) -> None:
+        outcome["result"] = run_job("harness.backends:compile_run_job",
+                                    dict(run_kwargs, program_path=str(entry / "program.pt2"), out_dir=str(tmp)),
+                                    tmp, limits.compile_s + limits.run_s)
+        if not (tmp / "compiled.json").exists():
+            raise _NotCompiled()  # nothing to cache
+
+    try:
+        cache.get_or_build("artifacts", key, build)
+    except _NotCompiled:
+        return "compile", outcome["result"], True
+    result = outcome["result"]
+    return (None if result.ok else "run"), result, True
+
+
+class _NotCompiled(Exception):
+    pass
+
+
+def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: str, outputs: list[str],
+              stop=()) -> Probe:
+    """Compile and run the subprogram computing `outputs` (inputs: `stop`) on the backend, and
+    judge each output with `check` against its own fp32/fp64 references."""
+    import torch
+
+    from ..metrics.tensor import compare_to_floor
+
+    start = time.monotonic()
+    gm, in_names, inputs, key, entry = export_probe(graph, outputs, stop)
+    probe = Probe(phase, label, list(outputs), in_names, sum(1 for n in gm.graph.nodes if n.op == "call_function"), key)
+    probe.timing["export_s"] = round(time.monotonic() - start, 2)
+    run_dir = run_root / key[:16]
+    failed, result, compiled = compile_and_run(backend, key, entry, run_dir, limits)
+    probe.timing["compile_run_s"] = round(result.seconds, 2)
+    probe.compile = "miss" if compiled else "hit"
+    if failed:
+        probe.status = {"crashed": "crashed", "timeout": "timeout"}.get(result.status, f"{failed}_error")
+        probe.why = f"{failed}: {result.error}"
+        probe.log = "\n".join(result.log_tail.splitlines()[-8:])
+    else:
+        got = torch.load(run_dir / "outputs.pt", weights_only=True)
+        (run_dir / "outputs.pt").unlink()
+        if len(got) != len(outputs):
+            probe.status, probe.why = "run_error", f"run: {len(got)} outputs, expected {len(outputs)}"
+        else:
+            _judge(probe, gm, inputs, got, check)
+    probe.seconds = round(time.monotonic() - start, 2)
+    return probe
+
+
+def _judge(probe: Probe, gm, inputs: list, got: list, check) -> None:
+    from ..metrics.tensor import compare_to_floor
+
+    ref32, ref64 = evaluate(gm, inputs, "float32"), evaluate(gm, inputs, "float64")
+    whys = []
+    for name, out, r32, r64 in zip(probe.outputs, got, ref32, ref64):
+        if tuple(out.shape) != tuple(r64.shape):
+            probe.failing.append(name)
+            whys.append(f"{name}: shape {tuple(out.shape)} != {tuple(r64.shape)}")
+            continue
+        m = compare_to_floor(out, r32, r64)
+        probe.metrics[name] = key_metrics(m)
+        ok, why = check(m)
+        if not ok:
+            probe.failing.append(name)
+            whys.append(f"{name}: {why}")
+    probe.status, probe.why = ("fail" if probe.failing else "pass"), "; ".join(whys)

@@ -1,0 +1,7 @@
+"""Plumbing: what every stage of the pipeline stands on and none of it is about Kokoro.
+
+- `files`: atomic writes and the one function that makes content keys;
+- `cache`: content-keyed entries, built once under a lock, pruned least-recently-used first;
+- `jobs`: an export, compile or run described as files and executed in a child process;
+- `admission`: compiles wait for the memory their last run peaked at.
+"""
