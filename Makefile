@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install parity matrix test bench profile clean-cache nightly dashboard
+.PHONY: install parity matrix test bench profile clean-cache nightly dashboard upstream
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ matrix: install
 nightly: install
 	$(BIN)/kokoro-parity nightly --dashboard reports/dashboard $(ARGS)
 
+# docs/upstream/: one standalone repro bundle per runtime defect the matrix found, regenerated and
+# each run alone (no kokoro, no harness importable); fails when a defect no longer reproduces.
+upstream: install
+	$(BIN)/kokoro-parity upstream $(ARGS)
+
 # The static site of the history: open reports/dashboard/index.html (no network needed).
 dashboard: install
 	$(BIN)/kokoro-parity dashboard $(ARGS)
@@ -37,6 +42,7 @@ dashboard: install
 # Benchmarks print figures (cold vs warm, harness vs bare script, per item); tests never time anything.
 bench: install
 	$(BIN)/python benchmarks/bench.py $(ARGS)
+	$(BIN)/python benchmarks/target_overhead.py
 
 # Two xdist workers (the machines here have 2 cores; most slow tests wait on child processes), and
 # the slowest tests named at the end so that CI time stays visible.

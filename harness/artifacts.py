@@ -1,31 +1,18 @@
 """`--artifact STEP=PATH`: judge an artifact a user already has against the references of a step.
 
-A port rarely goes through our exporter: people bring their own `.pte`, `.onnx`, TVM library
-(`.so`) or `.mlpackage`. We read the inputs the artifact declares, map the step's inputs onto
-them by name (else by position) and check shapes, run it in a child process like any backend,
-and judge the outputs with the same references and verdicts. A misfit is a clear error, not a
-wrong comparison.
+A thin adapter over the prebuilt backend (harness/backends/prebuilt.py): the artifact is a backend
+whose compile is a copy of the user's file, run through `Session.run_artifact` like every backend
+(child process, records, history). This module only maps the step's inputs onto the artifact's
+declared ones, by name (else by position) with shapes checked. A whole-model file (`e2e=PATH`)
+and port files go through harness/port instead (a one-stage port and a chain of stages).
 """
 from __future__ import annotations
 
-import platform
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
-         ".mlpackage": "coreml", ".mlmodel": "coreml"}
-
-
-class ArtifactMismatch(ValueError):
-    """The artifact's inputs or outputs do not fit the step's."""
-
-
-@dataclass(frozen=True)
-class Port:
-    name: str | None  # None: the format has no names (.pte)
-    shape: tuple | None  # None: unknown; an entry that is not an int is a symbolic (free) axis
-    dtype: str | None = None
+from .backends.prebuilt import KINDS, ArtifactMismatch, Port, kind_of, run_artifact  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -39,7 +26,9 @@ class ArtifactItem:
 
     @property
     def backend(self) -> str:
-        return "artifact-" + Path(self.path).name.replace(".", "_")
+        from .backends.prebuilt import display_name
+
+        return display_name(self.path)
 
     @property
     def id(self) -> str:
@@ -56,62 +45,20 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if not sep or not step or not path:
         raise ValueError(f"--artifact {spec!r}: expected STEP=PATH, e.g. decoder=kokoro_decoder.onnx")
     if step not in STEP_NAMES:
-        raise ValueError(f"--artifact {spec!r}: unknown step {step!r}; steps: {', '.join(STEP_NAMES)}")
+        raise ValueError(f"--artifact {spec!r}: unknown step {step!r}; steps: {', '.join(STEP_NAMES)}, or e2e "
+                         f"for a whole-model file (another cut: a port file, --port)")
     if not Path(path).exists():
         raise FileNotFoundError(f"--artifact {spec!r}: {path} does not exist")
     kind_of(path)
     return step, path
 
 
-def kind_of(path: str | Path) -> str:
-    suffix = Path(path).suffix.lower()
-    if suffix not in KINDS:
-        raise ValueError(f"{path}: unknown artifact type {suffix!r}; known: {', '.join(sorted(KINDS))}")
-    return KINDS[suffix]
-
-
-# ---- what the artifact declares ----------------------------------------------------------
-
 def describe(path: str | Path) -> tuple[list[Port], int | None]:
     """(declared inputs, number of outputs or None) of an artifact, without running it."""
-    kind, path = kind_of(path), str(path)
-    if kind == "onnx":
-        import onnx
+    from .backends.prebuilt import describe as describe_ports
 
-        graph = onnx.load(path, load_external_data=False).graph
-        init = {i.name for i in graph.initializer}
-        ports = []
-        for i in graph.input:
-            if i.name in init:
-                continue
-            t = i.type.tensor_type
-            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
-            ports.append(Port(i.name, shape, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name))
-        return ports, len(graph.output)
-    if kind == "executorch":
-        from executorch.runtime import Runtime
-
-        meta = Runtime.get().load_program(path).metadata("forward")
-        ports = []
-        for i in range(meta.num_inputs()):
-            info = meta.input_tensor_meta(i)
-            ports.append(Port(None, tuple(info.sizes()), str(info.dtype()).split(".")[-1].lower()))
-        return ports, meta.num_outputs()
-    if kind == "tvm":
-        import tvm
-        from tvm import relax
-
-        vm = relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())
-        n = vm._get_function_arity("main")
-        return [Port(vm._get_function_param_name("main", i), None) for i in range(n)], None
-    import coremltools as ct
-
-    spec = ct.utils.load_spec(path)
-    ports = []
-    for i in spec.description.input:
-        shape = tuple(i.type.multiArrayType.shape) or None
-        ports.append(Port(i.name, shape))
-    return ports, len(spec.description.output)
+    ins, outs = describe_ports(path)
+    return ins, None if outs is None else len(outs)
 
 
 def _norm(name: str) -> str:
@@ -143,131 +90,70 @@ def map_inputs(ports: list[Port], inputs: dict, where: str = "") -> list[str]:
     return mapped
 
 
-# ---- running (in a child process) ----------------------------------------------------------
-
-def run_artifact(path: str | Path, inputs: list) -> list:
-    """Run an artifact on tensors in its own input order; outputs as float32/int torch tensors."""
-    import numpy as np
-    import torch
-
-    kind, path = kind_of(path), Path(path)
-    if kind == "executorch":
-        from executorch.runtime import Runtime
-
-        program = Runtime.get().load_program(str(path))
-        meta = program.metadata("forward")
-        casts = [_torch_dtype(str(meta.input_tensor_meta(i).dtype())) for i in range(meta.num_inputs())]
-        inputs = [t.to(c) if c is not None else t for t, c in zip(inputs, casts)]
-        return list(program.load_method("forward").execute([t.contiguous() for t in inputs]))
-    if kind == "onnx":
-        import onnxruntime as ort
-
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        feed = {}
-        for port, t in zip(sess.get_inputs(), inputs):
-            want = {"tensor(float16)": np.float16, "tensor(int32)": np.int32, "tensor(float)": np.float32,
-                    "tensor(int64)": np.int64, "tensor(bool)": np.bool_}.get(port.type)
-            a = t.detach().cpu().numpy()
-            feed[port.name] = a.astype(want) if want is not None else a
-        return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, feed)]
-    if kind == "tvm":
-        from .backends.tvm import run_library
-
-        return run_library(path, inputs)
-    import coremltools as ct
-
-    model = ct.models.MLModel(str(path))
-    spec = model.get_spec()
-    out = model.predict({i.name: t.numpy() for i, t in zip(spec.description.input, inputs)})
-    return [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"float": torch.float32, "half": torch.float16, "long": torch.int64, "int": torch.int32,
-            "bool": torch.bool}.get(name.split(".")[-1].lower())
-
-
-def run_job(path: str, inputs_path: str, outputs_path: str) -> dict:
-    """Job function: run the artifact on saved inputs, save its outputs."""
-    import time
-
-    import torch
-
-    inputs = torch.load(inputs_path, weights_only=True)
-    start = time.perf_counter()
-    outputs = run_artifact(path, inputs)
-    seconds = time.perf_counter() - start
-    torch.save([torch.as_tensor(o).detach().clone().float() if torch.as_tensor(o).is_floating_point()
-                else torch.as_tensor(o) for o in outputs], outputs_path)
-    return {"run_s": seconds, "n_outputs": len(outputs)}
-
-
-def describe_job(path: str) -> dict:
-    ports, n_out = describe(path)
-    return {"inputs": [[p.name, list(p.shape) if p.shape is not None else None, p.dtype] for p in ports],
-            "n_outputs": n_out}
-
-
 # ---- one item -----------------------------------------------------------------------------
 
 def check_artifact(session, item: ArtifactItem):
-    """Judge `item.path` against the references of its step: a Record like any backend's."""
-    import torch
-
+    """Judge `item.path` against the references of its step: a Record like any backend's, made by
+    the prebuilt backend through the cache and `Session.run_artifact` (child process)."""
+    from .backends.prebuilt import PrebuiltBackend, ports_from_job
     from .patches import canonical
-    from .plumbing.files import save_tensors
-    from .plumbing.jobs import run_job as run_in_child
+    from .plumbing.jobs import cached_job, run_job as run_in_child
     from .runner import Item, Resolved, failed
     from .steps import get_step
     from .verdict import Verdict
 
-    rec = session.new_record(item, list(canonical(session.extra_patches)), None)
-    rec.audit = {"artifact": str(Path(item.path).resolve()), "kind": kind_of(item.path)}
-    kind = kind_of(item.path)
-    if kind == "coreml" and platform.system() != "Darwin":
-        rec.reason = f"Core ML prediction needs macOS (this is {platform.system()})"
-        return _write(session, rec)
+    backend = PrebuiltBackend(item.path)
+    rec = session.new_record(item, list(canonical(session.extra_patches)), backend)
+    rec.audit = {"artifact": str(backend.path), "kind": backend.kind}
+    ok, why = backend.available()
+    if not ok:
+        rec.reason = why
+        return session.finish(rec)
+    ok, why = backend.runnable()
+    if not ok:
+        rec.reason = why
+        return session.finish(rec)
     run_dir = session.report_dir / "runs" / item.id
-    described = run_in_child("harness.artifacts:describe_job", dict(path=str(item.path)), run_dir / "describe",
-                             session.limits.run_s)
+    described = run_in_child("harness.backends.prebuilt:describe_job", dict(path=str(backend.path)),
+                             run_dir / "describe", session.limits.run_s)
     if not described.ok:
         failed(rec, described, Verdict.RUN_ERROR)
-        return _write(session, rec)
-    ports = [Port(n, tuple(s) if s is not None else None, d) for n, s, d in described.value["inputs"]]
+        return session.finish(rec)
+    ports, outs = ports_from_job(described.value)
     traces = session.traces(item.case)
     step = get_step(item.step)
     try:
         mapped = _map_for_mode(session, traces, item, ports)
     except ArtifactMismatch as e:
         rec.verdict, rec.reason = Verdict.RUN_ERROR, f"artifact does not fit step {item.step!r}: {e}"
-        return _write(session, rec)
+        return session.finish(rec)
     if mapped is None:
         other = "static" if item.mode == "dynamic" else "dynamic"
         rec.reason = f"the artifact's input shapes fit the {other} mode, not {item.mode}"
-        return _write(session, rec)
-    n_out = described.value["n_outputs"]
-    if n_out is not None and n_out != len(step.output_names):
+        return session.finish(rec)
+    if outs is not None and len(outs) != len(step.output_names):
         rec.verdict = Verdict.RUN_ERROR
-        rec.reason = f"artifact does not fit step {item.step!r}: {n_out} outputs, the step has {step.output_names}"
-        return _write(session, rec)
+        rec.reason = (f"artifact does not fit step {item.step!r}: {len(outs)} outputs, the step has "
+                      f"{step.output_names}")
+        return session.finish(rec)
     rec.audit["input_mapping"] = dict(zip([p.name or f"#{i}" for i, p in enumerate(ports)], mapped))
+    entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
+                               session.limits.compile_s,
+                               lambda tmp: dict(backend=backend.name, program_path=str(backend.path),
+                                                out_dir=str(tmp)), session.counts)
+    rec.cache["artifact"] = "hit" if result is None else "miss"
+    if result is not None and not result.ok:
+        failed(rec, result, Verdict.COMPILE_ERROR)
+        return session.finish(rec)
+    rec.artifact_bytes = _size(backend.path)
     inputs = traces.inputs(item.step, item.mode, "float32")
-    save_tensors(run_dir / "inputs.pt", {n: inputs[n] for n in mapped})
-    result = run_in_child("harness.artifacts:run_job",
-                          dict(path=str(item.path), inputs_path=str(run_dir / "inputs.pt"),
-                               outputs_path=str(run_dir / "outputs.pt")), run_dir, session.limits.run_s)
-    rec.timings["run_s"] = result.value["run_s"] if result.ok else result.seconds
-    rec.peak_rss_mb["run"] = result.peak_rss_mb
-    rec.artifact_bytes = _size(Path(item.path))
-    if not result.ok:
-        failed(rec, result, Verdict.RUN_ERROR)
-        return _write(session, rec)
-    outputs = torch.load(run_dir / "outputs.pt", weights_only=True)
+    outputs = session.run_artifact(backend, entry / backend.artifact_name, [inputs[n] for n in mapped], rec, item.id)
+    if outputs is None:
+        return session.finish(rec)
+    outputs = [o.float() if o.is_floating_point() else o for o in outputs]
     resolved = Resolved(Item(item.case, item.step, item.backend, item.mode), step, session.cases[item.case], traces,
-                        None, rec.patches)
-    return _write(session, session.judge(rec, resolved, outputs))
+                        backend, rec.patches)
+    return session.finish(session.judge(rec, resolved, outputs))
 
 
 def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> list[str] | None:
@@ -286,10 +172,6 @@ def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> lis
 
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-
-
-def _write(session, rec):
-    return session.finish(rec)
 
 
 def artifact_items(session, specs: list[str], modes) -> list[ArtifactItem]:

@@ -18,6 +18,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-dir", default="reports", type=Path)
     p.add_argument("--profile", help="tolerance profile YAML")
     p.add_argument("--with-patch", action="append", default=[], help="add a patch to every backend's own")
+    p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",
+                   help="run the backends without this named workaround (repeatable, or `all`; see `backends`)")
+    p.add_argument("--target", default="local", metavar="NAME",
+                   help="run the compiled artifacts on this target of targets.yaml (docs/targets.md); items are "
+                        "named backend@NAME")
+    p.add_argument("--targets-file", metavar="PATH", help="default: ./targets.yaml, then the user's config dir")
 
 
 def cmd_run(args) -> int:
@@ -27,22 +33,89 @@ def cmd_run(args) -> int:
     from .verdict import Profile
 
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
-                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
+                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
+                      target=args.target, targets_file=args.targets_file)
+    session.target_for(args.target)  # an unknown target or a malformed targets file: an error before any work
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
     from .artifacts import ArtifactItem, artifact_items, check_artifact
+    from .port.chain import PortItem, port_items, run_port_item
 
     items = [] if args.artifact and not args.backend else session.items(backends, args.step, modes)
-    items += artifact_items(session, args.artifact, modes)
+    items += artifact_items(session, [a for a in args.artifact if not a.startswith("e2e=")], modes)
+    items += port_items(session, [a for a in args.artifact if a.startswith("e2e=")])
     records = []
-    for item in items:
-        rec = check_artifact(session, item) if isinstance(item, ArtifactItem) else session.run(item)
-        records.append(rec)
-        print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
+    try:
+        for item in items:
+            rec = (check_artifact(session, item) if isinstance(item, ArtifactItem) else
+                   run_port_item(session, item) if isinstance(item, PortItem) else session.run(item))
+            records.append(rec)
+            print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
+    finally:
+        session.close()
     print(summary_table(records))
     c = session.counts
     print(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}")
     return 0 if all(r.verdict.ok for r in records) else 1
+
+
+def _run_ports(args, specs: list[str]) -> int:
+    """Port items (whole-model files, port files) for the chosen cases: one stage table each."""
+    from .port.chain import port_items, run_port_item
+    from .report import item_table
+    from .runner import Session
+    from .verdict import Profile
+
+    session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
+                      profile=Profile.load(args.profile))
+    session.noise_k = args.noise_k
+    records = []
+    for item in port_items(session, specs):
+        rec = run_port_item(session, item)
+        if args.bisect and not rec.verdict.ok:
+            from .port.onnx_stages import localize_item
+
+            localize_item(session, item, rec, log=lambda line: print(line, flush=True))
+        records.append(rec)
+        print(item_table(rec), flush=True)
+    return 0 if all(r.verdict.ok for r in records) else 1
+
+
+def _add_port_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--case", action="append", help="case id (repeatable; default: all in cases/)")
+    p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
+    p.add_argument("--report-dir", default="reports", type=Path)
+    p.add_argument("--profile", help="tolerance profile YAML")
+    p.add_argument("--noise-k", type=int, default=None, help="reference runs for the noise band (default 16)")
+    p.add_argument("--bisect", action="store_true",
+                   help="on failure, localize inside an ONNX artifact and write a repro bundle")
+
+
+def cmd_check(args) -> int:
+    """A whole-model artifact (tokens, style, speed -> audio) judged on the cases, without pytest."""
+    return _run_ports(args, [f"e2e={args.path}"])
+
+
+def cmd_port(args) -> int:
+    if args.action == "init":
+        from .port.init import write_port
+
+        out = write_port([Path(a) for a in args.paths], args.out)
+        print(f"wrote {out}: confirm every line marked `# guess: confirm`, then `kokoro-parity port check {out}`")
+        return 0
+    from .port.portfile import PortError, load_port
+
+    if len(args.paths) != 1:
+        print("kokoro-parity: error: `port check` takes one port file", file=sys.stderr)
+        return 2
+    try:
+        port = load_port(args.paths[0])
+    except PortError as e:
+        print(f"kokoro-parity: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{port.source}: {len(port.stages)} stage(s) "
+          f"({' -> '.join(s.name for s in port.stages)}): valid")
+    return _run_ports(args, [args.paths[0]]) if args.run else 0
 
 
 def cmd_bisect(args) -> int:
@@ -56,7 +129,7 @@ def cmd_bisect(args) -> int:
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
     item = Item(args.case, args.step, args.backend, args.mode)
     rec = session.run(item)
-    if rec.verdict.value not in BISECTABLE:
+    if rec.verdict.value not in BISECTABLE and not (args.force and rec.verdict.value == "pass"):
         print(item_table(rec))
         print(f"{item.id}: {rec.verdict.value}: nothing to localize")
         return 0 if rec.verdict.ok else 1
@@ -64,7 +137,7 @@ def cmd_bisect(args) -> int:
     bisect_item(session, item, rec, depth=args.depth, verify=not args.no_verify,
                 log=lambda line: print(line, flush=True))
     print(item_table(rec))
-    return 1
+    return 0 if rec.verdict.ok else 1
 
 
 def cmd_nightly(args) -> int:
@@ -82,7 +155,9 @@ def cmd_nightly(args) -> int:
                             "nightly.xml", factor=args.factor, profile=Profile.load(args.profile))
         return _nightly_done(args, result, history_dir)
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
-                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
+                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
+                      target=args.target, targets_file=args.targets_file)
+    session.target_for(args.target)
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
     items = session.items(backends, args.step, modes)
@@ -90,8 +165,18 @@ def cmd_nightly(args) -> int:
                      weights=args.weights, profile=args.profile, with_patch=args.with_patch)
     result = nightly(session, items, history_dir, junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
                      factor=args.factor, selection=selection,
-                     on_record=lambda r: print(f"{r.item_id}: {r.verdict.value.upper()}  {r.reason}"[:200], flush=True))
+                     on_record=lambda r: print(f"{r.item_id}: {r.verdict.value.upper()}  {r.reason}"[:200], flush=True),
+                     upstream_dir=None if args.no_upstream else _upstream_dir())
+    for row in result.run.upstream:
+        print(f"upstream {row['name']}: {row['status']} (exit {row['exit_code']}) {row['message'][:120]}")
     return _nightly_done(args, result, history_dir)
+
+
+def _upstream_dir():
+    """docs/upstream of the checkout, when it has bundles (an installed package has none)."""
+    from .upstream import default_dir
+
+    return default_dir() if any(default_dir().glob("*/repro.py")) else None
 
 
 def _nightly_done(args, result, history_dir) -> int:
@@ -165,7 +250,16 @@ def cmd_backends(args) -> int:
         b = get_backend(name)
         ok, why = b.available()
         print(f"{name:12s} {'available' if ok else 'skipped: ' + why}  ({b.description}; patches: {', '.join(b.patches)})")
+        for w in b.workarounds.values():  # harness.backends.Workaround: `--no-workaround NAME` switches it off
+            tags = (" (patch)" if w.patch else "") + (" [performance]" if w.kind == "performance" else "")
+            print(f"{'':14s}workaround {w.name}{tags}: {w.defect}; {w.runtime}; upstream: {w.upstream}")
     return 0
+
+
+def cmd_upstream(args) -> int:
+    from .upstream import main as upstream_main
+
+    return upstream_main(out=args.out, only=args.only, check_only=args.check)
 
 
 def cmd_cache(args) -> int:
@@ -207,6 +301,41 @@ def cmd_weights(args) -> int:
     return 0
 
 
+def cmd_precision(args) -> int:
+    """harness.precision: the smallest set of modules to keep in float32 for a shippable float16 step."""
+    from tabulate import tabulate
+
+    from .metrics import fmt
+    from .model import load_model
+    from .precision import search, targets_for, write_keep_list
+    from .verdict import Profile
+
+    model = load_model(args.weights)
+    tol = Profile.load(args.profile).for_(args.step, "fp16", args.mode)
+    targets = targets_for(model, args.case, args.step, args.mode)
+    result = search(targets, tol, depth=args.depth, top_k=args.top_k, emulate=not args.native,
+                    log=lambda line: print(line, flush=True))
+    rows = []
+    for b, a in zip(result.before, result.after):
+        for name, m in a.metrics.items():
+            mb = b.metrics[name]
+            rows.append([b.case, name, *(fmt(mb.get(k)) for k in ("rel_l2", "pesq", "mcd_db", "rms_ratio_db")),
+                         "yes" if b.shippable else "no",
+                         *(fmt(m.get(k)) for k in ("rel_l2", "pesq", "mcd_db", "rms_ratio_db")), "yes" if a.shippable else "no"])
+    print(tabulate(rows, headers=["case", "output", "rel_l2", "PESQ", "MCD dB", "level dB", "shippable",
+                                  "kept: rel_l2", "PESQ", "MCD dB", "level dB", "shippable"], tablefmt="simple"))
+    sh = result.share
+    flops = f", {sh['flops_share']:.2%} of its FLOPs" if "flops_share" in sh else ""
+    print(f"float32 set for {args.step} ({', '.join(result.cases)}): {', '.join(result.keep) or 'none'}: "
+          f"{sh['params_share']:.2%} of the step's parameters{flops}; "
+          f"{'shippable on every case' if result.reached else 'NOT shippable on every case'} ({result.seconds} s)")
+    paths = write_keep_list(result, args.out)
+    print(f"keep-list: {paths['keep_list']}  (KOKORO_PARITY_KEEP_FP32={paths['keep_list']} pytest --backend=fp16 "
+          f"--backend=coreml-fp16 -k {args.step})")
+    print(f"Core ML op_selector: {paths['op_selector']}")
+    return 0 if result.reached else 1
+
+
 def cmd_table(args) -> int:
     from .record import read_records
     from .report import summary_table
@@ -233,6 +362,8 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Long on purpose: one flat list of subcommands and their options, read top to bottom like
+    # `--help` prints them; split up, a reader would jump between functions to see one command.
     parser = argparse.ArgumentParser(prog="kokoro-parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run (case, step, backend, mode) items and print the summary")
@@ -242,18 +373,35 @@ def main(argv: list[str] | None = None) -> int:
                         "without --backend only these items run)")
     p.set_defaults(fn=cmd_run)
     sub.add_parser("backends", help="list backends and whether they can run here").set_defaults(fn=cmd_backends)
+    p = sub.add_parser("check", help="judge a whole-model artifact (tokens, style, speed -> audio) on the cases: "
+                                     "audio metrics beside their noise band (docs/own-port.md)")
+    p.add_argument("path", help=".onnx, .pte, TVM .so or .mlpackage")
+    _add_port_run_options(p)
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("port", help="port files: `port init ARTIFACT...` guesses one, `port check PORT.yaml` "
+                                    "validates it (--run: and judges it stage by stage)")
+    p.add_argument("action", choices=("init", "check"))
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--out", type=Path, default=Path("port.yaml"), help="init: where to write (default port.yaml)")
+    p.add_argument("--run", action="store_true", help="check: then run the port on the cases")
+    _add_port_run_options(p)
+    p.set_defaults(fn=cmd_port)
     p = sub.add_parser("bisect", help="run one item; if it fails, find the first diverging module and op, "
                                       "and write a standalone repro to <report-dir>/repro/<item>/")
     p.add_argument("--case", required=True)
     p.add_argument("--step", required=True)
     p.add_argument("--backend", required=True)
     p.add_argument("--mode", choices=("dynamic", "static"), default="static")
-    p.add_argument("--depth", type=int, default=2, help="module levels tried alone before the op bisection")
+    p.add_argument("--depth", type=int, default=2, help="module levels whose cuts are searched before the ops (0: ops only)")
     p.add_argument("--no-verify", action="store_true", help="do not run the written repro.py")
+    p.add_argument("--force", action="store_true",
+                   help="bisect a passing item too (a clean backend must localize nothing: a check of the rule)")
     p.add_argument("--weights")
     p.add_argument("--report-dir", default="reports", type=Path)
     p.add_argument("--profile")
     p.add_argument("--with-patch", action="append", default=[])
+    p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",
+                   help="run the backends without this named workaround (repeatable, or `all`; see `backends`)")
     p.set_defaults(fn=cmd_bisect)
     p = sub.add_parser("merge", help="join the report dirs of several shards (--shard K/N) into one")
     p.add_argument("dirs", nargs="+", type=Path)
@@ -268,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("nightly", help="run the matrix into a history entry + JUnit XML; print regressions")
     _add_run_options(p)
     p.add_argument("--history-dir", type=Path, help="default: <report-dir>/history")
+    p.add_argument("--no-upstream", action="store_true",
+                   help="do not re-run docs/upstream/'s repro bundles (by default each one's status is kept)")
     p.add_argument("--junit", type=Path, help="default: <report-dir>/junit/nightly.xml")
     p.add_argument("--factor", type=float, default=2.0, help="an error metric that grew by more is a regression")
     p.add_argument("--dashboard", type=Path, help="then build the dashboard into this directory")
@@ -295,6 +445,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="cases directory (default: the repository's cases/)")
     p.set_defaults(fn=cmd_new_case)
+    p = sub.add_parser("precision", help="the smallest set of modules to keep in float32 so that the step in "
+                                         "float16 is shippable on every case; writes a keep-list and a Core ML op_selector")
+    p.add_argument("--case", action="append", help="case id (repeatable; default: all in cases/)")
+    p.add_argument("--step", default="decoder", help="a step with an audio or duration output (default: decoder)")
+    p.add_argument("--mode", choices=("dynamic", "static"), default="dynamic")
+    p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
+    p.add_argument("--profile", help="tolerance profile YAML (min_pesq, max_mcd_db, max_level_db)")
+    p.add_argument("--depth", type=int, default=5, help="module levels below the KModel the audit looks at")
+    p.add_argument("--top-k", type=int, default=4, help="candidates tried per greedy round")
+    p.add_argument("--native", action="store_true", help="PyTorch's float16 CPU kernels instead of the float16 "
+                                                         "emulation (same figures, 5x slower)")
+    p.add_argument("--out", type=Path, default=Path("reports/precision"), help="where the keep-list and op_selector go")
+    p.set_defaults(fn=cmd_precision)
     p = sub.add_parser("table", help="the step x backend table of report dirs' records (Markdown with --markdown)")
     p.add_argument("--report-dir", action="append", type=Path,
                    help="repeatable (default: reports); for an item in several, the last one's record counts")
@@ -305,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmarks/bench.py of a source checkout: cold vs warm, harness vs bare "
                                      "script, per-item figures (arguments are passed on)", add_help=False)
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("upstream", help="regenerate docs/upstream/: one standalone repro bundle per known runtime "
+                                        "defect, each run alone (without kokoro or this harness); error if one "
+                                        "does not reproduce")
+    p.add_argument("--out", type=Path, default=None, help="default: docs/upstream of the checkout")
+    p.add_argument("--only", action="append", help="only this defect (repeatable; its directory name)")
+    p.add_argument("--check", action="store_true", help="only run the existing bundles' repro.py (nightly's check)")
+    p.set_defaults(fn=cmd_upstream)
     p = sub.add_parser("weights", help="load (and on first use rebuild) the model, and describe it")
     p.add_argument("--weights")
     p.set_defaults(fn=cmd_weights)
@@ -313,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:
+        if getattr(args, "no_workaround", None):  # read by the backends here and in their job children
+            from .backends import set_disabled_workarounds
+
+            set_disabled_workarounds(args.no_workaround)
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"kokoro-parity: error: {e}", file=sys.stderr)

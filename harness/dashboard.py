@@ -525,7 +525,7 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
         path.write_text(env.get_template(name).render(root=root, **common, **kw), encoding="utf-8")
 
     latest_regs = regs_by_run.get(latest.id, []) if latest else []
-    render("index.html", site / "index.html", "", page="matrix",
+    render("index.html", site / "index.html", "", page="matrix", upstream=upstream_rows(runs),
            matrix=matrix(latest, latest_regs) if latest else None, regressions=latest_regs,
            overview=overview_figure(runs, "overview") if len(runs) > 0 else None)
 
@@ -561,6 +561,16 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
                    if repro_path(rec) else None,
                    extra=extra, history_rows=[(lbl, run.by_item().get(iid)) for lbl, run in
                                               zip(_labels(runs), runs) if iid in run.by_item()][::-1])
+
+
+def upstream_rows(runs: list[Run]) -> list[dict]:
+    """The latest run's upstream bundle statuses (harness.upstream), each with the status it had
+    in the run before that checked it (`was`), so a defect that became fixed stands out."""
+    checked = [r for r in runs if r.upstream]
+    if not checked:
+        return []
+    before = {u["name"]: u["status"] for r in checked[:-1] for u in r.upstream}
+    return [{**u, "was": before.get(u["name"])} for u in checked[-1].upstream]
 
 
 def _split(iid: str, run: Run) -> tuple[str, str, str, str]:

@@ -21,7 +21,7 @@ from .metrics.tensor import compare_to_floor
 from .model import SAMPLE_RATE, SAMPLES_PER_FRAME
 from .record import Record
 from .reference import SYNTH_BUCKETS, pad_inputs, synthesizer_reference
-from .steps import get_step
+from .steps import get_step, round_durations
 from .verdict import Verdict, judge
 
 
@@ -54,7 +54,7 @@ def run_e2e(session, r, rec: Record) -> Record:
     if out is None:
         return rec
     duration, d = out
-    pred = torch.round(duration[0, :n]).clamp(min=1).long()
+    pred = round_durations(duration, n)
     pred_ref = torch.tensor(traces.pred_dur)
     differ = int((pred != pred_ref).sum())
     rec.durations = {"tokens": n, "tokens_differ": differ, "max_frames_diff": int((pred - pred_ref).abs().max()),

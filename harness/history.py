@@ -81,6 +81,7 @@ class Run:
     counts: dict[str, int] = field(default_factory=dict)
     regressions: list[dict[str, Any]] = field(default_factory=list)  # against earlier runs, when written
     error: str = ""  # why an incomplete run stopped, when known
+    upstream: list[dict[str, Any]] = field(default_factory=list)  # harness.upstream: each bundle's repro status
     path: Path | None = None  # where it was read from (not written)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,7 +89,7 @@ class Run:
                 "complete": self.complete, "duration_s": self.duration_s, "git": self.git,
                 "versions": self.versions, "machine": self.machine, "selection": self.selection,
                 "counts": self.counts, "error": self.error, "regressions": self.regressions,
-                "records": self.records}
+                "upstream": self.upstream, "records": self.records}
 
     @classmethod
     def from_dict(cls, d: Any) -> "Run":
@@ -104,7 +105,7 @@ class Run:
         for i, rec in enumerate(d["records"]):
             _check_record(rec, i)
         known = {k: d[k] for k in ("git", "versions", "machine", "selection", "complete", "finished", "duration_s",
-                                   "counts", "regressions", "error") if k in d}
+                                   "counts", "regressions", "error", "upstream") if k in d}
         return cls(id=str(d["id"]), date=str(d["date"]), records=d["records"], **known)
 
     def by_item(self) -> dict[str, dict[str, Any]]:
@@ -441,9 +442,12 @@ class NightlyResult:
 
 def nightly(session, items: list, history_dir: str | os.PathLike, *, junit_path: str | os.PathLike | None = None,
             factor: float = DEFAULT_FACTOR, selection: dict[str, Any] | None = None,
-            on_record: Callable[[Record], None] | None = None) -> NightlyResult:
+            on_record: Callable[[Record], None] | None = None,
+            upstream_dir: str | os.PathLike | None = None) -> NightlyResult:
     """Run `items` through `session` (a harness.runner.Session), keeping the history entry valid
-    after every item; then compare with the history and write the JUnit XML."""
+    after every item; then compare with the history and write the JUnit XML. With `upstream_dir`
+    (docs/upstream), also run every repro bundle's repro.py alone and keep each status in the
+    entry: a defect whose repro exits 0 on the installed versions is marked fixed."""
     history_dir = Path(history_dir)
     earlier = load_history(history_dir)
     backends = sorted({i.backend for i in items})
@@ -461,6 +465,11 @@ def nightly(session, items: list, history_dir: str | os.PathLike, *, junit_path:
             write_run(history_dir, run)
             if on_record:
                 on_record(rec)
+        if upstream_dir is not None:
+            from .upstream import check_bundles
+
+            run.upstream = check_bundles(upstream_dir)
+            write_run(history_dir, run)
     except BaseException as e:
         run.error = f"stopped after {len(run.records)} of {len(items)} items: {type(e).__name__}: {e}".strip()
         run.finished, run.duration_s = utc_now(), round(time.monotonic() - start, 3)

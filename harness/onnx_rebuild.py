@@ -151,7 +151,7 @@ _PREDICTOR_SEG = re.compile(r"^(F0|N)(\.\d+|_proj)$|^shared$")
 _STFT_PREFIX = "decoder.decoder.generator.stft."
 
 
-def rebuild_checkpoint(onnx_path: str | Path):
+def rebuild_checkpoint(onnx_path: str | Path):  # long: one pass over the graph, its naming rules side by side
     """Dequantize the int8 ONNX into a float32 checkpoint in the kokoro-v1_0.pth format.
 
     Returns (checkpoint, RebuildReport). Raises ValueError if the graph does not match

@@ -5,6 +5,7 @@ Registered through the `pytest11` entry point. It is the only module that import
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -27,15 +28,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--report-dir", default="reports", help="where JSON records and run files go")
     g.addoption("--profile", default=None, help="tolerance profile YAML (default: harness/tolerances.yaml)")
     g.addoption("--artifact", action="append", default=[], metavar="STEP=PATH",
-                help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references (repeatable; "
-                     "without --backend only these items run)")
+                help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references, or a whole-model "
+                     "file with e2e=PATH (repeatable; without --backend only these items run)")
+    g.addoption("--port", action="append", default=[], metavar="PORT.YAML",
+                help="judge a port file's chain of artifacts stage by stage (docs/own-port.md; repeatable)")
+    g.addoption("--noise-k", type=int, default=None,
+                help="reference runs with different noise seeds for the noise band (default 16)")
+    g.addoption("--target", default="local", metavar="NAME",
+                help="run the compiled artifacts on this target of targets.yaml (an SSH machine: a Mac, an ARM "
+                     "board; docs/targets.md); compile stays here. Ids and tables say `backend@NAME`")
+    g.addoption("--targets-file", default=None, metavar="PATH",
+                help="the targets file (default: ./targets.yaml, then the user's config dir)")
     g.addoption("--with-patch", action="append", default=[], dest="with_patch",
                 help="add a patch to every backend's own (repeatable), e.g. length_aware_lstm")
+    g.addoption("--no-workaround", action="append", default=[], dest="no_workaround", metavar="NAME",
+                help="run the backends without this named workaround of a runtime defect (repeatable, or `all`; "
+                     "`kokoro-parity backends` lists them), so the defect shows as a verdict and can be bisected")
     g.addoption("--bisect", action="store_true",
                 help="after a failing item, localize the first diverging module and op on the backend and "
-                     "write a standalone repro to <report-dir>/repro/<item>/ (see harness/bisect.py)")
+                     "write a standalone repro to <report-dir>/repro/<item>/ (see docs/bisection.md)")
     g.addoption("--bisect-depth", type=int, default=2,
-                help="module levels below the step's module tried alone before the op bisection (0: none)")
+                help="module levels below the step's module whose cuts are searched before the ops (0: ops only)")
     g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
                 help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s); "
                      "past it the item is TIMEOUT")
@@ -65,11 +78,40 @@ def _check_rootdir_kept(config: pytest.Config) -> None:
                 f"project's configuration. Write `{option}={value}`.")
 
 
+SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process
+RECORDS_KEY = pytest.StashKey()  # the records this process made
+RAN_KEY = pytest.StashKey()  # ids of the parity items that ran (controller and workers)
+
+# Loggers whose records say nothing to a user of this tool but fill every failing item's report:
+# torch's structured-trace channel (empty DEBUG lines), torchao's missing optional kernels, and
+# torch's pytree deprecation notices (both at import of executorch).
+QUIET_LOGGERS = {"torch.__trace": None, "torchao": logging.ERROR, "torchao.kernel.intmm": logging.ERROR,
+                 "torch.utils._pytree": logging.ERROR}
+
+
+def quiet_logs() -> None:
+    for name, level in QUIET_LOGGERS.items():
+        logger = logging.getLogger(name)
+        if level is None:
+            logger.propagate = False
+        else:
+            logger.setLevel(level)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Under `pytest -n N`, distribute by group (items that share a compile stay on one worker)."""
+    quiet_logs()
+    config.pluginmanager.register(_RanItems(config), "kokoro-parity-ran-items")
     if not hasattr(config, "workerinput"):
         _check_rootdir_kept(config)
+    if getattr(config.option, "no_workaround", None):  # read by the backends here and in their job children
+        from .backends import set_disabled_workarounds
+
+        try:
+            set_disabled_workarounds(config.option.no_workaround)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") in ("no", "load"):
         config.option.dist = "loadgroup"
 
@@ -81,7 +123,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _session(config: pytest.Config):
-    s = getattr(config, "_parity_session", None)
+    s = config.stash.get(SESSION_KEY, None)
     if s is None:
         from .runner import Limits, Session
         from .verdict import Profile
@@ -90,9 +132,16 @@ def _session(config: pytest.Config):
                     report_dir=Path(config.getoption("--report-dir")),
                     profile=Profile.load(config.getoption("--profile")),
                     extra_patches=tuple(config.getoption("with_patch")),
-                    limits=Limits.parse(config.getoption("--time-limit")))
-        config._parity_session = s
-        config._parity_records = []
+                    limits=Limits.parse(config.getoption("--time-limit")),
+                    target=config.getoption("--target"), targets_file=config.getoption("--targets-file"))
+        from .plumbing.targets import TargetError
+
+        try:
+            s.target_for(s.target)  # an unknown target or a malformed targets file: a usage error now
+        except TargetError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.stash[SESSION_KEY] = s
+        config.stash[RECORDS_KEY] = []
     return s
 
 
@@ -113,7 +162,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     modes = ("dynamic", "static") if mode == "both" else (mode,)
     if "parity_item" in metafunc.fixturenames:
         specs = config.getoption("--artifact")
-        items = [] if specs and not config.getoption("--backend") else _session(config).items(_backends(config), modes=modes)
+        ports = [s for s in specs if s.startswith("e2e=")] + config.getoption("--port")
+        specs = [s for s in specs if not s.startswith("e2e=")]
+        only_users = (specs or ports) and not config.getoption("--backend")
+        items = [] if only_users else _session(config).items(_backends(config), modes=modes)
         if specs:
             from .artifacts import artifact_items
 
@@ -121,6 +173,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 items += artifact_items(_session(config), specs, modes)
             except (ValueError, FileNotFoundError) as e:
                 raise pytest.UsageError(str(e)) from None
+        if ports:
+            from .port.chain import port_items
+
+            _session(config).noise_k = config.getoption("--noise-k")
+            items += port_items(_session(config), ports, modes)
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:
         keys = [(c, m) for c in _session(config).cases for m in modes]
@@ -155,7 +212,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _group(config: pytest.Config, item) -> str:
     """Items that share an exported program: same step, mode and shapes (the bucket when static)."""
-    if item.mode == "dynamic" or item.step == "e2e":
+    if item.mode == "dynamic" or item.step == "e2e" or item.step.startswith("port:"):
         return f"{item.step}:{item.mode}:{item.case}"
     bucket = _session(config).cases[item.case].bucket
     return f"{item.step}:{item.mode}:{bucket.tokens}x{bucket.frames}"
@@ -183,12 +240,20 @@ def check_parity(request: pytest.FixtureRequest):
 
     def check(item) -> Record:
         from .artifacts import ArtifactItem, check_artifact
+        from .port.chain import PortItem, run_port_item
 
-        artifact = isinstance(item, ArtifactItem)
-        rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
-        request.config._parity_records.append(rec)
+        artifact = isinstance(item, (ArtifactItem, PortItem))
+        if isinstance(item, PortItem):
+            rec = run_port_item(_session(request.config), item)
+        else:
+            rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
+        request.config.stash[RECORDS_KEY].append(rec)
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
+        if rec.verdict is Verdict.FAIL and request.config.getoption("--bisect") and isinstance(item, PortItem):
+            from .port.onnx_stages import localize_item
+
+            localize_item(_session(request.config), item, rec)  # inside the ONNX: stages, repro bundle
         if rec.verdict is not Verdict.PASS and request.config.getoption("--bisect") and not artifact:
             from .bisect import BISECTABLE, bisect_item
 
@@ -223,19 +288,24 @@ def check_golden(request: pytest.FixtureRequest):
     return check
 
 
-def pytest_runtest_logreport(report) -> None:
-    """Remember which parity items ran (under xdist the records live in the workers)."""
-    if report.when == "call" or (report.when == "setup" and report.skipped):
-        if "[" in report.nodeid and "test_parity[" in report.nodeid:
-            _RAN.add(report.nodeid.split("[", 1)[1].rstrip("]"))
+class _RanItems:
+    """Remembers which parity items ran, in the config's stash: under xdist the records live in
+    the workers, and the controller, which sees only their reports, reads the records by id."""
 
+    def __init__(self, config: pytest.Config) -> None:
+        self.ran = config.stash.setdefault(RAN_KEY, set())
 
-_RAN: set[str] = set()
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" or (report.when == "setup" and report.skipped):
+            if "test_parity[" in report.nodeid:
+                self.ran.add(report.nodeid.split("[", 1)[1].rstrip("]"))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Each process writes its work counts, so that the controller (xdist) can add them up."""
-    s = getattr(session.config, "_parity_session", None)
+    s = session.config.stash.get(SESSION_KEY, None)
+    if s is not None:
+        s.close()  # the targets' SSH connections
     if s is not None and s.counts:
         from .plumbing.files import atomic_write_json
 
@@ -244,14 +314,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    if not _RAN:
+    ran = config.stash.get(RAN_KEY, set())
+    if not ran:
         return
     session = _session(config)
-    records = getattr(config, "_parity_records", None)
+    records = config.stash.get(RECORDS_KEY, None)
     if not records:  # xdist controller: read what the workers wrote
         from .record import read_records
 
-        records = [r for r in read_records(session.report_dir / "records") if r.item_id in _RAN]
+        records = [r for r in read_records(session.report_dir / "records") if r.item_id in ran]
     from .report import summary_table
 
     tr = terminalreporter

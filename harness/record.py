@@ -21,6 +21,12 @@ def item_id(case: str, step: str, backend: str, mode: str) -> str:
     return f"{case}-{step}-{backend}-{mode}"
 
 
+def backend_label(backend: str, target: str | None = None) -> str:
+    """The backend as ids, tables and history name it: `xnnpack` on this machine, `xnnpack@mac` on
+    the remote target `mac` (harness.plumbing.targets), so that targets are separate columns."""
+    return backend if not target or target == "local" else f"{backend}@{target}"
+
+
 @dataclass
 class Record:
     case: str
@@ -46,11 +52,18 @@ class Record:
     log: str = ""  # tail of the child's log on errors
     bisect: dict[str, Any] = field(default_factory=dict)  # harness.bisect: first diverging module/op, repro
     audio: dict[str, str] = field(default_factory=dict)  # role -> WAV path relative to the report dir
+    workarounds: dict[str, list[str]] = field(default_factory=dict)  # named workarounds: applied, disabled
+    stages: list[dict[str, Any]] = field(default_factory=list)  # harness.port: one row per stage of a port
+    bands: dict[str, dict[str, Any]] = field(default_factory=dict)  # harness.port.noise: metric -> value, band, ok
+    target: dict[str, Any] = field(default_factory=dict)  # where it ran: name, os, machine, python, runtimes
+    precision: str = "float32"  # what the backend computes in; float16 items are judged by the float16 floor
+    shippable: bool | None = None  # harness.verdict.shippable: audio bars / durations vs float64; None: n/a
+    shippable_reason: str = ""
     schema: str = SCHEMA
 
     @property
     def item_id(self) -> str:
-        return item_id(self.case, self.step, self.backend, self.mode)
+        return item_id(self.case, self.step, backend_label(self.backend, self.target.get("name")), self.mode)
 
     def failed(self, verdict: Verdict, error: str, log: str = "") -> "Record":
         """The item ended before a verdict on its outputs: an error, a crash or a timeout."""

@@ -309,13 +309,35 @@ class References:
     plain32: dict[str, torch.Tensor]
     dynamic32: dict[str, torch.Tensor] | None
     variant: tuple[str, ...]
+    fp16: dict[str, torch.Tensor] | None = None  # float16 eager (harness.precision): the float16 floor
+
+
+def float16_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: str, mode: str,
+                    variant: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Outputs of `step` in float16 eager (harness.precision: the whole step in float16, float32
+    hard-coded in the code included, as the fp16 backend runs a program) on the mode's float32
+    inputs, with the reference's patches and `variant`: their error against float64 is the float16
+    floor. Computed once per (case, step, mode, variant) and cached."""
+    from .precision import FLOOR_VERSION, float16_outputs as run16
+
+    key = content_key("float16", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, torch.__version__, step,
+                      mode, variant, graph_code_digest(tuple(variant)) if variant else "")
+
+    def build(tmp):
+        km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
+        out = run16(get_step(step), km, traces.inputs(step, mode, "float32"))
+        atomic_write(tmp / "outputs.pt", lambda f: torch.save(out, f))
+
+    entry, _ = cache.get_or_build("variants", key, build)
+    return torch.load(entry / "outputs.pt", weights_only=True)
 
 
 def references_for(model: LoadedModel, case: Case, traces: CaseTraces, step: str, mode: str,
-                   patches) -> References:
+                   patches, precision: str = "float32") -> References:
     """The one place that picks an item's reference. Patches that are neutral for the mode's
     reference are left out (NEUTRAL_PATCHES), the others make a variant reference, so that a
-    backend's error is its own and the patches' effect is reported beside it."""
+    backend's error is its own and the patches' effect is reported beside it. A float16 backend
+    (`precision="float16"`) also gets the float16 eager outputs, its floor."""
     from .patches import affecting
 
     plain32 = traces.outputs(step, mode, "float32")
@@ -326,4 +348,5 @@ def references_for(model: LoadedModel, case: Case, traces: CaseTraces, step: str
     else:
         fp32, fp64 = plain32, traces.outputs(step, mode, "float64")
     dynamic32 = dynamic_counterpart(model, case, traces, step, variant) if mode == "static" else None
-    return References(fp32, fp64, plain32, dynamic32, variant)
+    fp16 = float16_outputs(model, case, traces, step, mode, variant) if precision == "float16" else None
+    return References(fp32, fp64, plain32, dynamic32, variant, fp16)

@@ -9,21 +9,45 @@ from tabulate import tabulate
 from .metrics import fmt as _fmt
 from .record import Record
 
-KEY_METRICS = ("nan_rate", "max_abs", "rel_l2", "floor_rel_l2", "floor_ratio", "cosine", "snr_db")
+ITEM_TABLE_COLUMNS = (  # the metric columns of an item's table
+    "nan_rate", "max_abs", "rel_l2", "floor_rel_l2", "floor_ratio", "cosine", "snr_db")
+
+
+def precision_line(rec: Record) -> str | None:
+    """A float16 item's two answers (harness.precision): within the float16 floor or not, shippable or not."""
+    if getattr(rec, "precision", "float32") != "float16" or rec.verdict.value not in ("pass", "fail"):
+        return None if rec.shippable is not False else f"not shippable: {rec.shippable_reason}"
+    within = "within the float16 floor" if rec.verdict.value == "pass" else "not within the float16 floor"
+    ship = {True: "shippable", False: "not shippable", None: "shippable: n/a"}[rec.shippable]
+    floors = ", ".join(f"{n}: fp16 floor {_fmt(m.get('fp16_floor_rel_l2'))}, fp32 floor {_fmt(m.get('fp32_floor_rel_l2'))}"
+                       for n, m in rec.metrics.items())
+    return f"float16: {within}, {ship} ({rec.shippable_reason}); {floors}"
+
+
+def shippable_cell(r: Record) -> str:
+    """" shippable" / " not shippable" for a summary cell: float16 items always, others when not."""
+    if r.verdict.value not in ("pass", "fail") or r.shippable is None:
+        return ""
+    if getattr(r, "precision", "float32") == "float16":
+        return " shippable" if r.shippable else " not shippable"
+    return "" if r.shippable else " not shippable"
 
 
 def item_table(rec: Record) -> str:
     """The metric table printed for an item (instead of a traceback)."""
     lines = [f"{rec.item_id}: {rec.verdict.value.upper()}  {rec.reason}"]
+    if precision_line(rec):
+        lines.append(precision_line(rec))
     if rec.metrics:
-        rows = [[name, *(_fmt(m.get(k)) for k in KEY_METRICS)] for name, m in rec.metrics.items()]
-        lines.append(tabulate(rows, headers=["output", *KEY_METRICS], tablefmt="simple"))
+        rows = [[name, *(_fmt(m.get(k)) for k in ITEM_TABLE_COLUMNS)] for name, m in rec.metrics.items()]
+        lines.append(tabulate(rows, headers=["output", *ITEM_TABLE_COLUMNS], tablefmt="simple"))
     if rec.audio_metrics:
         keys = ("pesq", "mcd_db", "logmel_corr", "logmel_mad_db", "rms_ratio_db", "mrstft", "snr_db", "length_ratio")
         rows = [[name, *(_fmt(a.get(k)) for k in keys)] for name, a in rec.audio_metrics.items()]
         lines.append(tabulate(rows, headers=["audio", *keys], tablefmt="simple"))
     if rec.durations:
         lines.append("durations: " + ", ".join(f"{k} {v}" for k, v in rec.durations.items()))
+    lines += port_lines(rec)
     if rec.rewrite_drift:
         rows = [[name, _fmt(d["rel_l2"]), _fmt(d["max_abs"])] for name, d in rec.rewrite_drift.items()]
         lines.append("rewrite drift (static fp32 vs dynamic fp32, valid region):")
@@ -47,16 +71,43 @@ def item_table(rec: Record) -> str:
     return "\n".join(lines)
 
 
-AUDIT_LABELS = {"ops_without_converter": "ops without a TVM converter",
-                "ops_without_onnx_translation": "ops the ONNX exporter cannot translate",
-                "onnx_ops_without_tvm_converter": "ONNX ops without a TVM converter",
-                "ops_without_mil_lowering": "ops without a Core ML (MIL) lowering"}
+def port_lines(rec: Record) -> list[str]:
+    """A port's stage table (local and chained error per stage output, the kind of difference)
+    and each audio metric beside its noise band (harness/port)."""
+    lines = []
+    if rec.stages:
+        rows = []
+        for row in rec.stages:
+            for tensor, m in row["outputs"].items():
+                loc, ch = m["local"], m["chained"]
+                rows.append([row["stage"], tensor, _fmt(loc.get("rel_l2")), _fmt(loc.get("floor_rel_l2")),
+                             "ok" if loc.get("ok", True) else "LEAVES", _fmt(ch.get("rel_l2")),
+                             "ok" if ch.get("ok", True) else "FAIL", ch.get("kind", "")])
+        lines.append(tabulate(rows, headers=["stage", "tensor", "local rel_l2", "floor", "local", "chained rel_l2",
+                                             "chained", "kind of difference"], tablefmt="simple"))
+    bands = {k: v for k, v in rec.bands.items() if "band" in v}
+    if bands:
+        rows = [[k, _fmt(v["value"]), f"[{_fmt(v['band'][0])}, {_fmt(v['band'][1])}]", v["direction"],
+                 "in" if v["ok"] else "OUTSIDE"] for k, v in bands.items()]
+        k = next(iter(bands.values())).get("k", "")
+        lines.append(f"audio against the noise band (K = {k} reference runs with other noise seeds):")
+        lines.append(tabulate(rows, headers=["metric", "artifact", "noise band", "passes when", ""], tablefmt="simple"))
+    z = rec.bands.get("zero_noise")
+    if z:
+        lines.append(f"against the zero-noise reference, sample by sample: rel_l2 {_fmt(z['rel_l2'])}, "
+                     f"SNR {_fmt(z['snr_db'])} dB, {z['kind']}")
+    return lines
+
+
 
 
 def audit_lines(audit: dict) -> list[str]:
-    """The issue-7 audits (harness/backends): what a backend will not take, and why it fell back."""
+    """The backends' audits: what a backend will not take, and why it fell back (each backend
+    names its own audit keys: `Backend.audit_labels`)."""
+    from .backends import audit_labels
+
     lines = [f"{label}: " + ", ".join(f"{k} x{v}" for k, v in audit[key].items())
-             for key, label in AUDIT_LABELS.items() if audit.get(key)]
+             for key, label in audit_labels().items() if audit.get(key)]
     for key in ("dynamo_error", "audit_error"):
         if audit.get(key):
             lines.append(f"{key.replace('_', ' ')}: {audit[key]}")
@@ -75,9 +126,12 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     from .backends import backend_names
     from .steps import PIPELINE_STEP_NAMES
 
+    from .record import backend_label
+
     known = backend_names()
-    backends = sorted({r.backend for r in records},
-                      key=lambda b: (known.index(b) if b in known else len(known), b))
+    label = lambda r: backend_label(r.backend, r.target.get("name"))  # noqa: E731 - `xnnpack@mac`: a column per target
+    backends = sorted({label(r) for r in records},
+                      key=lambda b: (known.index(b.split("@")[0]) if b.split("@")[0] in known else len(known), b))
     step_rank = {name: i for i, name in enumerate(PIPELINE_STEP_NAMES)}
     rows: dict[tuple, dict] = {}
     for r in records:
@@ -88,14 +142,16 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
         if nan_rate and r.verdict.value == "fail":  # a NaN output has no meaningful error figure
             cell += f" NaN {nan_rate:.0%}"
         elif worst is not None and r.verdict.value in ("pass", "fail"):
-            cell += f" rel {_fmt(worst.get('rel_l2'))} ({_fmt(worst.get('floor_ratio'))}x floor)"
+            fp16 = " fp16" if getattr(r, "precision", "float32") == "float16" else ""  # harness.precision
+            cell += f" rel {_fmt(worst.get('rel_l2'))} ({_fmt(worst.get('floor_ratio'))}x{fp16} floor)"
         audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
         if audio is not None and r.verdict.value in ("pass", "fail") and not nan_rate:
             cell += f" PESQ {_fmt(audio.get('pesq'))}"
+        cell += shippable_cell(r)
         drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
         if r.verdict.value not in ("pass", "fail") and r.reason:
             cell += f" ({r.reason.split(';')[0][:60]})"
-        rows.setdefault(key, {})[r.backend] = cell
+        rows.setdefault(key, {})[label(r)] = cell
         if drift is not None:
             rows[key]["drift"] = _fmt(drift)
     table = [[key[0], key[2], key[3], rows[key].get("drift", "-"), *(rows[key].get(b, "not run") for b in backends)]
@@ -121,6 +177,10 @@ def write_audio(report_dir: Path, item_id: str, outputs: dict, valid) -> dict[st
 
 def format_bisect(b: dict) -> str:
     """The bisection's lines under an item's metric table."""
+    if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
+        from .port.onnx_stages import stage_lines
+
+        return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
     if b.get("status") == "error":
         return f"bisect: could not run: {b.get('message')}"
     lines = []

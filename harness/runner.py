@@ -19,7 +19,7 @@ from .backends import Backend, get_backend
 from .cases import Case, load_cases
 from .plumbing.files import save_tensors
 from .plumbing.jobs import JobResult, cached_job, run_job
-from .record import Record, item_id
+from .record import Record, backend_label, item_id
 from .reference import MODES
 from .verdict import Profile, Verdict
 
@@ -30,10 +30,11 @@ class Item:
     step: str
     backend: str
     mode: str
+    target: str = "local"  # harness.plumbing.targets: where its run job executes
 
     @property
     def id(self) -> str:
-        return item_id(self.case, self.step, self.backend, self.mode)
+        return item_id(self.case, self.step, backend_label(self.backend, self.target), self.mode)
 
 
 @dataclass
@@ -79,7 +80,10 @@ def failed(rec: Record, result: JobResult, error_verdict: Verdict) -> None:
 
 @dataclass
 class Session:
-    """One run over a model and its cases. Traces and the model load lazily, once."""
+    """One run over a model and its cases. Traces and the model load lazily, once.
+
+    A little over 200 lines: the lazily loaded state, the three phases of an item (program,
+    artifact, run) and its judging share that state and nothing else; each method is short."""
 
     weights: str | None = None
     case_ids: list[str] | None = None
@@ -88,7 +92,10 @@ class Session:
     limits: Limits = field(default_factory=Limits)
     extra_patches: tuple[str, ...] = ()  # added to every backend's own (e.g. length_aware_lstm)
     counts: Counter = field(default_factory=Counter)
+    target: str = "local"  # the target its items run on (targets.yaml; compile stays on this machine)
+    targets_file: str | None = None  # default: ./targets.yaml, then the user's config dir
     _model: object = None
+    _targets: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
     _cases: dict | None = None
 
@@ -117,13 +124,29 @@ class Session:
     def items(self, backends: list[str], steps: list[str] | None = None, modes=MODES) -> list[Item]:
         from .steps import ITEM_STEPS
 
-        return [Item(c, s, b, m) for c in self.cases for s in (steps or ITEM_STEPS) for b in backends for m in modes]
+        return [Item(c, s, b, m, self.target) for c in self.cases for s in (steps or ITEM_STEPS) for b in backends
+                for m in modes]
+
+    def target_for(self, name: str = "local"):
+        """The target (harness.plumbing.targets), loaded once; an unknown one is a TargetError."""
+        if name not in self._targets:
+            from .plumbing.targets import get_target
+
+            self._targets[name] = get_target(name, self.targets_file)
+        return self._targets[name]
+
+    def close(self) -> None:
+        """End the targets' connections."""
+        for t in self._targets.values():
+            t.close()
 
     def patches_for(self, backend: Backend) -> list[str]:
-        """The backend's own patches and the session's extra ones, in the registry's order."""
+        """The backend's own patches (less its patch-workarounds switched off: `--no-workaround`)
+        and the session's extra ones, in the registry's order."""
         from .patches import canonical
 
-        return list(canonical((*backend.patches, *self.extra_patches)))
+        off = backend.workaround_patches_disabled()
+        return list(canonical((*(p for p in backend.patches if p not in off), *self.extra_patches)))
 
     def resolve(self, item: Item) -> Resolved:
         from .steps import get_step
@@ -138,7 +161,8 @@ class Session:
         return Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=list(patches),
                       semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
                       model={"name": self.model.name, "digest": self.model.digest, "source": self.model.source},
-                      versions=versions(backend))
+                      versions=versions(backend), workarounds=workarounds_of(backend),
+                      target={"name": getattr(item, "target", "local")})
 
     # -- one item -------------------------------------------------------------------------
     def run(self, item: Item) -> Record:
@@ -153,7 +177,8 @@ class Session:
     def _run(self, item: Item) -> Record:
         backend = get_backend(item.backend)
         rec = self.new_record(item, self.patches_for(backend), backend)
-        ok, why = backend.available()
+        remote_compile = backend.compile_where == "target" and getattr(item, "target", "local") != "local"
+        ok, why = (True, "") if remote_compile else backend.available()  # else the target's probe decides
         if not ok:
             rec.reason = why
             return rec
@@ -174,11 +199,20 @@ class Session:
         program_dir, program_key = self.program(step, inputs, patches, rec, tag)
         if program_dir is None:
             return None
-        artifact_dir = self.artifact(backend, step, program_dir, program_key, rec, tag)
+        target = self.target_for(rec.target.get("name") or "local")
+        on_target = backend.compile_where == "target" and target.kind != "local"
+        if on_target:  # compiled where it runs (TVM Metal, ExecuTorch MPS): the target must take it first
+            ok, why = target.runnable(backend)
+            rec.target.update(target.describe())
+            if not ok:
+                rec.verdict, rec.reason = Verdict.SKIPPED, f"not compiled: compiles on the target; {why}"
+                return None
+        artifact_dir = self.artifact(backend, step, program_dir, program_key, rec, tag, target if on_target else None)
         if artifact_dir is None:
             return None
-        ok, why = backend.runnable()
-        if not ok:  # compiled (its outcome and audit recorded), cannot run on this machine
+        ok, why = target.runnable(backend)  # on a remote target: its probe (reachable, package, OS)
+        rec.target.update(target.describe())
+        if not ok:  # compiled (its outcome and audit recorded), cannot run on this machine / that target
             rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; {why}"
             return None
         return self.run_artifact(backend, artifact_dir / backend.artifact_name, inputs, rec, run_name, tag)
@@ -200,13 +234,18 @@ class Session:
         return entry, key
 
     def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,
-                 tag: str = "") -> Path | None:
-        """The backend's compiled artifact (once per program and backend version)."""
+                 tag: str = "", target=None) -> Path | None:
+        """The backend's compiled artifact (once per program and backend version); with a remote
+        `target`, compiled there (`compile_where = "target"`) and cached here per target."""
         key = backend.artifact_key(program_key)
-        entry, result = cached_job(
-            "artifacts", key, "harness.backends:compile_job", self.limits.compile_s,
-            lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp)),
-            self.counts, admission_key=f"compile/{backend.name}/{step}")
+        make = lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp))  # noqa: E731
+        if target is None:
+            entry, result = cached_job("artifacts", key, "harness.backends:compile_job", self.limits.compile_s, make,
+                                       self.counts, admission_key=f"compile/{backend.name}/{step}")
+        else:
+            from .plumbing.targets import compile_on_target
+
+            entry, result = compile_on_target(target, backend, key, make, self.limits.compile_s, self.counts)
         rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
         if result is not None:
             self.counts["compiles"] += 1
@@ -228,15 +267,25 @@ class Session:
         """Run a compiled artifact on `inputs` in a child process (always; runs are never cached)."""
         import torch
 
+        from .plumbing.targets import TargetUnreachable
+
         run_dir = self.report_dir / "runs" / run_name
         save_tensors(run_dir / "inputs.pt", inputs)
-        result = run_job("harness.backends:run_job",
-                         dict(backend=backend.name, artifact_path=str(artifact_path),
-                              inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
-                         run_dir, self.limits.run_s)
+        target = self.target_for(rec.target.get("name") or "local")
+        try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
+            result = target.run_job("harness.backends:run_job",
+                                    dict(backend=backend.name, artifact_path=str(artifact_path),
+                                         inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
+                                    run_dir, self.limits.run_s,
+                                    files=dict(artifact_path="artifact_entry", inputs_path="input", outputs_path="output"))
+        except TargetUnreachable as e:
+            rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; target {target.name!r} unreachable: {e}"
+            return None
         self.counts["runs"] += 1
         rec.timings[f"{tag}run_s"] = result.value["run_s"] if result.ok else result.seconds
         rec.timings[f"{tag}run_job_s"] = result.seconds
+        if "transport_s" in result.extra:  # shipping, ssh and the remote Python's start, beyond the job itself
+            rec.timings[f"{tag}transport_s"] = result.extra["transport_s"]
         rec.peak_rss_mb[f"{tag}run"] = result.peak_rss_mb
         if not result.ok:
             failed(rec, result, Verdict.RUN_ERROR)
@@ -250,15 +299,20 @@ class Session:
         from .reference import references_for
         from .verdict import judge_outputs
 
+        from .backends import precision_of
+
         item, traces = r.item, r.traces
-        refs = references_for(self.model, r.case, traces, item.step, item.mode, rec.patches)
+        rec.precision = precision_of(r.backend)  # a float16 backend is judged by the float16 floor
+        refs = references_for(self.model, r.case, traces, item.step, item.mode, rec.patches, rec.precision)
         names = r.step.output_names
         valid = lambda name, t: traces.valid_region(item.step, name, t)  # noqa: E731
         audio_names = [t.name for t in r.step.outputs if "samples" in t.axes.values()]
         j = judge_outputs(names, outputs, refs, valid, self.profile.for_(item.step, item.backend, item.mode),
-                          audio=lambda: audio_metrics_of(audio_names, dict(zip(names, outputs)), refs.fp64, valid))
+                          audio=lambda: audio_metrics_of(audio_names, dict(zip(names, outputs)), refs.fp64, valid),
+                          precision=rec.precision)
         rec.metrics, rec.patch_drift, rec.rewrite_drift = j.metrics, j.patch_drift, j.rewrite_drift
         rec.audio_metrics, rec.verdict, rec.reason = j.audio_metrics, j.verdict, j.reason
+        rec.shippable, rec.shippable_reason = j.shippable, j.shippable_reason
         if j.audio_metrics:
             from .report import write_audio
 
@@ -278,6 +332,14 @@ def audio_metrics_of(names: list[str], outputs: dict, reference: dict, valid) ->
         out[name] = {**audio_metrics(ref, valid(name, outputs[name])[0].double().numpy()),
                      "duration_s": len(ref) / SAMPLE_RATE}
     return out
+
+
+def workarounds_of(backend: Backend | None) -> dict[str, list[str]]:
+    """The backend's named workarounds (harness.backends.Workaround) applied and switched off."""
+    if backend is None or not backend.workarounds:
+        return {}
+    off = backend.disabled_workarounds()
+    return {"applied": sorted(set(backend.workarounds) - off), "disabled": sorted(off)}
 
 
 def versions(backend: Backend | None) -> dict[str, str]:

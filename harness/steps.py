@@ -205,10 +205,15 @@ def get_step(name: str) -> Step:
     raise KeyError(f"unknown step {name!r}; steps: {', '.join(STEP_NAMES)}")
 
 
+def round_durations(duration: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Kokoro's host-side rule: the valid tokens' durations rounded, at least one frame each."""
+    return torch.round(duration[0, :n_tokens]).clamp(min=1).long()
+
+
 def build_alignment(duration: torch.Tensor, n_tokens: int, n_frames_total: int | None = None):
     """Host side, as in kokoro: round the durations of the valid tokens, clamp at 1, and build the
     one-hot alignment [1, tokens, frames]; extra frames (a bucket) are zero columns."""
-    pred_dur = torch.round(duration[0, :n_tokens]).clamp(min=1).long()
+    pred_dur = round_durations(duration, n_tokens)
     n_frames = int(pred_dur.sum())
     total = n_frames if n_frames_total is None else n_frames_total
     if total < n_frames:
@@ -217,7 +222,3 @@ def build_alignment(duration: torch.Tensor, n_tokens: int, n_frames_total: int |
     aln = torch.zeros(1, duration.shape[1], total, dtype=duration.dtype)
     aln[0, indices, torch.arange(n_frames)] = 1
     return pred_dur, aln, n_frames
-
-
-def noise_names() -> tuple[str, ...]:
-    return NOISE_INPUTS

@@ -11,11 +11,56 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ENTRY_POINT_GROUP = "kokoro_parity.backends"
+COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
 EXTRA_ENV = "KOKORO_PARITY_EXTRA_BACKENDS"  # "name=module:Class,...": backends outside the package
+NO_WORKAROUND_ENV = "KOKORO_PARITY_NO_WORKAROUND"  # "name,name" or "all": workarounds switched off
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """A graph fix a backend applies for a runtime defect, named so that it can be switched off
+    (`--no-workaround NAME`) and the defect it hides seen as an item verdict and bisected.
+    `patch`: the harness.patches patch that is the fix (dropped from the item's patches); else the
+    fix lives inside the backend's compile, which reads `Backend.disabled_workarounds()`."""
+
+    name: str
+    defect: str  # what the runtime gets wrong without it
+    runtime: str  # the package and version it was found on
+    upstream: str  # the repro bundle under docs/upstream/ and the known report, if any
+    patch: str | None = None
+    kind: str = "failure"  # failure (does not convert / wrong values) | performance (slower, same values)
+
+
+def disabled_workaround_names() -> set[str]:
+    """The names switched off for this process and its job children (env NO_WORKAROUND_ENV)."""
+    return {n.strip() for n in os.environ.get(NO_WORKAROUND_ENV, "").split(",") if n.strip()}
+
+
+def set_disabled_workarounds(names) -> None:
+    """Switch workarounds off (names or `all`) for this process and the children it starts; a
+    name no backend declares is a ValueError naming the known ones."""
+    names = sorted({n.strip() for n in names if n and n.strip()})
+    known = {w for b in backend_names() for w in _workarounds_of(b)}
+    unknown = [n for n in names if n != "all" and n not in known]
+    if unknown:
+        raise ValueError(f"--no-workaround {', '.join(unknown)}: unknown workaround; known: all, "
+                         f"{', '.join(sorted(known))}")
+    if names:
+        os.environ[NO_WORKAROUND_ENV] = ",".join(names)
+    else:
+        os.environ.pop(NO_WORKAROUND_ENV, None)
+
+
+def _workarounds_of(name: str) -> dict:
+    try:
+        return dict(get_backend(name).workarounds)
+    except Exception:  # noqa: BLE001 - a third-party backend that does not load declares nothing
+        return {}
 
 
 class Backend:
@@ -23,14 +68,52 @@ class Backend:
 
     name: str = ""
     requires: tuple[str, ...] = ()  # importable top-level packages
-    patches: tuple[str, ...] = ()  # patches of harness.patches that its programs need
+    # patches of harness.patches that its programs need; by default what every exported program of
+    # Kokoro needs (noise as an input, no dropout, weight_norm folded, no PackedSequence, CustomSTFT)
+    patches: tuple[str, ...] = COMMON_PATCHES
+    audit_labels: dict[str, str] = {}  # audit key -> how the terminal table names it
     artifact_name: str = "artifact.bin"
     description: str = ""
+    # what it computes in: "float16" backends are judged against float16 eager's own error (the
+    # float16 floor, harness.precision), float32 ones against float32 eager's (`precision_of`)
+    precision: str = "float32"
+    workarounds: dict[str, Workaround] = {}  # name -> the runtime defect it hides (harness.upstream)
+
+    def disabled_workarounds(self) -> set[str]:
+        """This backend's workarounds switched off (`--no-workaround NAME|all`, env NO_WORKAROUND_ENV)."""
+        off = disabled_workaround_names()
+        return set(self.workarounds) if "all" in off else off & set(self.workarounds)
+
+    def workaround_patches_disabled(self) -> set[str]:
+        """The patches to drop from this backend's own: its patch-workarounds switched off."""
+        return {w.patch for n, w in self.workarounds.items() if w.patch and n in self.disabled_workarounds()}
+
+    def workaround_tag(self) -> str:
+        """Part of `version()` (hence of the artifact key) when a workaround inside compile is off;
+        patch-workarounds change the program (and its key) instead."""
+        off = sorted(n for n in self.disabled_workarounds() if not self.workarounds[n].patch)
+        return f";no-workaround={'+'.join(off)}" if off else ""
+
+    # Where each phase executes when a run has a target (harness.plumbing.targets, `--target`):
+    # "host" is the machine running the harness; "target" the `--target` machine (this one when local).
+    # ExecuTorch, ONNX Runtime and Core ML convert on the host and run on the target; a backend whose
+    # compile must happen on the device (TVM Metal) says compile_where = "target".
+    compile_where: str = "host"
+    run_where: str = "target"
+    run_requires: tuple[str, ...] | None = None  # what `run` imports (default: `requires`): all a target needs
 
     def available(self) -> tuple[bool, str]:
         missing = [p for p in self.requires if importlib.util.find_spec(p) is None]
         if missing:
             return False, f"package(s) not installed: {', '.join(missing)} (install the extra for {self.name!r})"
+        return True, ""
+
+    def run_available(self) -> tuple[bool, str]:
+        """Whether `run` can import what it needs here (on a target only `run_requires` must be installed)."""
+        needed = self.requires if self.run_requires is None else self.run_requires
+        missing = [p for p in needed if importlib.util.find_spec(p) is None]
+        if missing:
+            return False, f"package(s) not installed: {', '.join(missing)} (needed to run {self.name!r})"
         return True, ""
 
     def version(self) -> str:
@@ -40,7 +123,7 @@ class Backend:
                 versions.append(f"{p}=={importlib.metadata.version(p)}")
             except importlib.metadata.PackageNotFoundError:
                 versions.append(p)
-        return ",".join(versions) or "builtin"
+        return (",".join(versions) or "builtin") + self.workaround_tag()
 
     def artifact_key(self, program_key: str) -> str:
         """The cache key of this backend's artifact of a program. `version()` is part of it: a
@@ -86,6 +169,10 @@ _BUILTIN = {
     "coreml-fp32": "harness.backends.coreml:CoreMLFp32Backend",
     "coreml-fp16": "harness.backends.coreml:CoreMLFp16Backend",
     "fp16": "harness.backends.fp16:Fp16Backend",
+    # harness/backends/apple.py: lowered here as far as Linux allows, run on a macOS --target
+    "et-coreml": "harness.backends.apple:EtCoreMLBackend",
+    "et-mps": "harness.backends.apple:EtMpsBackend",
+    "tvm-metal": "harness.backends.apple:TvmMetalBackend",
 }
 
 
@@ -106,7 +193,17 @@ def registry() -> dict[str, str]:
     return found
 
 
+def precision_of(backend: Backend) -> str:
+    """"float32" or "float16" (Core ML's backends spell their compute precision "FLOAT16")."""
+    p = str(getattr(backend, "precision", "float32") or "float32").lower()
+    return p if p in ("float32", "float16") else "float32"
+
+
 def get_backend(name: str) -> Backend:
+    if name.startswith("prebuilt:"):  # a user's artifact (harness.backends.prebuilt): one per file
+        from .prebuilt import PREFIX, PrebuiltBackend
+
+        return PrebuiltBackend(name[len(PREFIX):])
     refs = registry()
     if name not in refs:
         raise KeyError(f"unknown backend {name!r}; known: {', '.join(sorted(refs))}")
@@ -115,6 +212,14 @@ def get_backend(name: str) -> Backend:
 
 def backend_names() -> list[str]:
     return list(registry())
+
+
+def audit_labels() -> dict[str, str]:
+    """Every built-in backend's audit keys and their labels (a backend knows what its audit means)."""
+    labels: dict[str, str] = {}
+    for ref in _BUILTIN.values():
+        labels.update(_load(ref).audit_labels)
+    return labels
 
 
 # ---- job functions (run in the child process by harness.plumbing.jobs) ------------------------------

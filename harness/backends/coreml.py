@@ -6,32 +6,54 @@ SKIPPED after compiling (`runnable`), never passed.
 """
 from __future__ import annotations
 
+import os
 import platform
 from collections import Counter
 from pathlib import Path
 
-from . import Backend
+from . import Backend, Workaround
 from .tvm import COMMON_PATCHES
 
 # harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted;
 # aten.lstm has no MIL lowering in the EXIR frontend
 CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const", "unrolled_lstm")
 
+_CT = "coremltools 9.0"
+# the runtime defects the Core ML backends work around (docs/workarounds.md, docs/upstream/)
+CORE_ML_WORKAROUNDS = {w.name: w for w in (
+    Workaround("alias_drop", "aten.alias has no MIL lowering ('Unsupported fx node alias, kind alias'): ALBERT's "
+               "position_ids[:, :512] on the 512-token bucket", _CT,
+               "docs/upstream/coremltools-alias/ (known: apple/coremltools#2517)"),
+    Workaround("and_rename", "aten.__and__ has no MIL lowering ('Unsupported fx node and_1, kind __and__'), "
+               "bitwise_and has: ALBERT's attention mask", _CT, "docs/upstream/coremltools-and/"),
+    Workaround("decompose_unlowered", "ops without a MIL lowering that torch decomposes (ALBERT's new_ones: "
+               "'Unsupported fx node new_ones')", _CT, "docs/upstream/coremltools-new-ones/"),
+    Workaround("stft_phase_where", "CustomSTFT's `&` of masks is aten.__and__ (no MIL lowering)", _CT,
+               "docs/upstream/coremltools-and/", patch="stft_phase_where"),
+    Workaround("rsqrt_float_const", "rsqrt of an int constant is not promoted to float ('expects tensor or "
+               "scalar of dtype from type domain [fp16, fp32] but got tensor[int32]')", _CT,
+               "docs/upstream/coremltools-rsqrt-int/", patch="rsqrt_float_const"),
+    Workaround("unrolled_lstm", "aten.lstm.input has no MIL lowering ('Unsupported fx node lstm, kind "
+               "lstm.input')", _CT, "docs/upstream/coremltools-lstm/ (related: pytorch/executorch#4090)",
+               patch="unrolled_lstm"),
+)}
 
-def _inference_ir(program):
+
+def _inference_ir(program, disabled=()):
     """coremltools takes the ATen inference IR (run_decompositions with an empty table), with
     `__and__` renamed to `bitwise_and`, identity `alias` views dropped, and torch's own decompositions of the ops its frontend cannot
     lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap a graph rewrite can close
-    is not the user's failure."""
+    is not the user's failure. `disabled`: the named workarounds left out (alias_drop, and_rename,
+    decompose_unlowered), so that the defect they hide shows."""
     import torch
     from torch._decomp import decomposition_table
 
     # the same op under a name coremltools lowers: `a & b` of masks is aten.__and__, which has no MIL
     # lowering while bitwise_and has (ALBERT's attention mask; CustomSTFT's phase mask)
-    aliases = {torch.ops.aten.__and__.Tensor: torch.ops.aten.bitwise_and.Tensor}
+    aliases = {} if "and_rename" in disabled else {torch.ops.aten.__and__.Tensor: torch.ops.aten.bitwise_and.Tensor}
     # identity views with no MIL lowering: a slice over a whole axis exports as aten.alias (ALBERT's
     # position_ids[:, :512] when the token bucket is the whole 512-position table: en_long static)
-    identities = (torch.ops.aten.alias.default,)
+    identities = () if "alias_drop" in disabled else (torch.ops.aten.alias.default,)
     ir = program.run_decompositions({})
     renamed = [node for node in ir.graph.nodes if node.op == "call_function" and node.target in aliases]
     for node in renamed:
@@ -43,6 +65,8 @@ def _inference_ir(program):
     if renamed or dropped:
         ir.graph_module.recompile()
     gaps = mil_gaps(ir)["ops_without_mil_lowering"]
+    if "decompose_unlowered" in disabled:
+        return ir
     table = {op: decomposition_table[op] for op in _ops(ir) if op in decomposition_table and _kind(op) in gaps}
     if not table:
         return ir
@@ -83,7 +107,7 @@ REPRO_RUNNER = '''def run_backend(program, inputs):
 
     import coremltools as ct
 
-    model = ct.convert(_inference_ir(program), convert_to="mlprogram",
+    model = ct.convert(_inference_ir(program, DISABLED), convert_to="mlprogram",
                        minimum_deployment_target=ct.target.iOS17, compute_precision=ct.precision.@PRECISION@,
                        compute_units=ct.ComputeUnit.@UNITS@, skip_model_load=platform.system() != "Darwin")
     if platform.system() != "Darwin":
@@ -96,12 +120,28 @@ REPRO_RUNNER = '''def run_backend(program, inputs):
 '''
 
 
+COMPUTE_UNITS_ENV = "KOKORO_PARITY_COREML_COMPUTE_UNITS"
+COMPUTE_UNITS = ("CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE", "ALL")  # coremltools.ComputeUnit
+
+
 class _CoreMLBackend(Backend):
     requires = ("coremltools",)
     patches = COMMON_PATCHES + CORE_ML_PATCHES
     artifact_name = "model.mlpackage"
+    audit_labels = {"ops_without_mil_lowering": "ops without a Core ML (MIL) lowering"}
     precision = "FLOAT32"
     compute_units = "CPU_ONLY"  # fp16 runs on ALL: Core ML's CPU computes fp16 models in fp32
+    workarounds = CORE_ML_WORKAROUNDS
+
+    def __init__(self) -> None:
+        """$KOKORO_PARITY_COREML_COMPUTE_UNITS (CPU_ONLY, CPU_AND_GPU, CPU_AND_NE, ALL) overrides the
+        class's compute units at prediction (a load option: the .mlpackage is the same); a remote
+        target receives it (harness.plumbing.targets forwards KOKORO_PARITY_* options)."""
+        units = os.environ.get(COMPUTE_UNITS_ENV, "").strip().upper()
+        if units:
+            if units not in COMPUTE_UNITS:
+                raise ValueError(f"${COMPUTE_UNITS_ENV}={units!r}: one of {', '.join(COMPUTE_UNITS)}")
+            self.compute_units = units
 
     def runnable(self) -> tuple[bool, str]:
         if platform.system() != "Darwin":
@@ -111,15 +151,26 @@ class _CoreMLBackend(Backend):
     def audit(self, program_path: Path) -> dict:
         import torch
 
-        return mil_gaps(_inference_ir(torch.export.load(str(program_path))))
+        return mil_gaps(_inference_ir(torch.export.load(str(program_path)), self.disabled_workarounds()))
+
+    def keep_fp32(self) -> list[str]:
+        """No keep-list at FLOAT32 (coreml-fp16 overrides); compile asks every Core ML backend."""
+        return []
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         import coremltools as ct
         import torch
 
-        program = _inference_ir(torch.export.load(str(program_path)))
+        program = _inference_ir(torch.export.load(str(program_path)), self.disabled_workarounds())
+        precision, kept = getattr(ct.precision, self.precision), None
+        keep = self.keep_fp32()
+        if keep:  # harness.precision: the keep-list's modules stay float32 (FP16ComputePrecision's op_selector)
+            from ..precision import op_selector_for
+
+            selector, kept = op_selector_for(program, keep)
+            precision = ct.transform.FP16ComputePrecision(op_selector=selector)
         model = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
-                           compute_precision=getattr(ct.precision, self.precision),
+                           compute_precision=precision,
                            skip_model_load=platform.system() != "Darwin")
         model.save(str(out_dir / self.artifact_name))
         spec = model.get_spec()
@@ -127,7 +178,8 @@ class _CoreMLBackend(Backend):
                       for block in f.block_specializations.values() for op in block.operations)
         return {"compute_precision": self.precision, "mil_ops": dict(sorted(ops.items())),
                 "inputs": [i.name for i in spec.description.input],
-                "outputs": [o.name for o in spec.description.output]}
+                "outputs": [o.name for o in spec.description.output],
+                **({"keep_fp32": keep, "keep_fp32_nodes": kept} if keep else {})}
 
     def repro_source(self) -> str:
         """The graph fixes of `_inference_ir` inlined (the repro converts what the backend converts)."""
@@ -135,6 +187,7 @@ class _CoreMLBackend(Backend):
 
         helpers = "from collections import Counter\n\n\n" + "".join(
             inspect.getsource(f) + "\n\n" for f in (_kind, _ops, mil_gaps, _inference_ir))
+        helpers += f"DISABLED = {sorted(self.disabled_workarounds())!r}  # workarounds left out\n\n\n"
         return helpers + REPRO_RUNNER.replace("@PRECISION@", self.precision).replace("@UNITS@", self.compute_units)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
@@ -143,6 +196,7 @@ class _CoreMLBackend(Backend):
         import torch
 
         model = ct.models.MLModel(str(artifact_path), compute_units=getattr(ct.ComputeUnit, self.compute_units))
+        self.run_audit = {"compute_units": self.compute_units}  # into the record's audit
         spec = model.get_spec()
         names = [i.name for i in spec.description.input]
         if len(names) != len(inputs):
@@ -162,3 +216,14 @@ class CoreMLFp16Backend(_CoreMLBackend):
     precision = "FLOAT16"
     compute_units = "ALL"
     description = "coremltools mlprogram, FLOAT16 compute precision (predicts on macOS)"
+
+    def keep_fp32(self) -> list[str]:
+        """$KOKORO_PARITY_KEEP_FP32 (`--keep-fp32 FILE`): modules whose ops stay float32."""
+        from ..precision import read_keep_list
+
+        return read_keep_list()
+
+    def version(self) -> str:
+        from ..precision import keep_tag
+
+        return super().version() + keep_tag(self.keep_fp32())

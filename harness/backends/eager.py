@@ -11,7 +11,6 @@ from . import Backend
 class EagerBackend(Backend):
     name = "eager"
     requires = ("torch",)
-    patches = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
     artifact_name = "program.pt2"
     description = "torch.export program run by PyTorch (the control)"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from . import Backend
+from . import Backend, Workaround
 
 
 def _core_aten_violations(program) -> dict[str, int]:
@@ -42,7 +42,11 @@ class XnnpackBackend(Backend):
     # step (T + 3 delegate subgraphs); the cell written with ops XNNPACK takes gives 3 per LSTM. The
     # en_short duration encoder: 17 subgraphs instead of 206, 3.1x less compile CPU, 1 GB less peak
     # (README finding 6). The portable backend inherits it, so both run the same program.
-    patches = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft", "unrolled_lstm")
+    patches = Backend.patches + ("unrolled_lstm",)
+    workarounds = {"unrolled_lstm": Workaround(
+        "unrolled_lstm", "ExecuTorch's decomposition of aten.lstm cuts the XNNPACK partition at every time step "
+        "(T + 2 delegate subgraphs per LSTM): slow lowering, large peak memory", "executorch 1.5.1",
+        "docs/upstream/executorch-xnnpack-lstm-cut/", patch="unrolled_lstm", kind="performance")}
     artifact_name = "program.pte"
     description = "ExecuTorch with the XNNPACK delegate"
 
@@ -92,6 +96,7 @@ class PortableBackend(XnnpackBackend):
     description = "ExecuTorch without a delegate (portable kernels)"
 
     repro_partitioner = dict(partitioner_name="no delegate: portable kernels", partitioners="[]", partitioner_import="")
+    workarounds = {}  # unrolled_lstm is kept so that it runs xnnpack's program, not as a workaround
 
     def partitioners(self) -> list:
         return []

@@ -7,6 +7,7 @@ inputs) against that limit, and where float16 first turns non-finite.
 """
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,14 @@ class Fp16Backend(Backend):
     patches = COMMON_PATCHES
     artifact_name = "program.pt2"
     description = "the exported program in float16 on CPU, with activation ranges vs 65,504"
+    precision = "float16"  # judged against float16 eager's own error (harness.precision)
+
+    def version(self) -> str:
+        """With $KOKORO_PARITY_KEEP_FP32 (a keep-list of `kokoro-parity precision`), the modules it
+        names run in float32: part of the version, so of the artifact key and the record."""
+        from ..precision import keep_tag, read_keep_list
+
+        return super().version() + keep_tag(read_keep_list())
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         shutil.copyfile(program_path, out_dir / self.artifact_name)
@@ -106,7 +115,13 @@ class Fp16Backend(Backend):
 
         program = torch.export.load(str(artifact_path))
         _, fp32 = activation_ranges(program.module(), inputs)
+        from ..precision import keep_float32_graph, read_keep_list
+
+        keep = read_keep_list()
+        full = copy.deepcopy(program.module()) if keep else None  # _to_dtype casts the shared parameters
         half = _to_dtype(program.module(), torch.float16)
+        if keep:  # float32 islands: the keep-list's modules compute in float32, cast at their boundary
+            half = keep_float32_graph(half, full, keep)
         outputs, fp16 = activation_ranges(half, [t.half() if t.is_floating_point() else t for t in inputs])
         rows = []
         for path, s in fp32["modules"].items():
@@ -120,4 +135,6 @@ class Fp16Backend(Backend):
                           "modules_over_fp16_max": [r["module"] for r in rows if r["max_abs_fp32"] > FP16_MAX],
                           "fp16_first_nonfinite": fp16["first_nonfinite"],
                           "activations_by_module": rows[:TOP]}
+        if keep:
+            self.run_audit["keep_fp32"] = keep
         return [o.float() for o in outputs]

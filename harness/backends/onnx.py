@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from . import Backend
+from . import Backend, Workaround
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
 
 ONNX_NAME = "model.onnx"
@@ -127,8 +127,10 @@ TVM_ONNX_REPRO_RUNNER = '''def run_backend(program, inputs):
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     requires = ("onnxruntime", "onnx", "onnxscript")
+    run_requires = ("onnxruntime",)  # onnx and onnxscript export on the host; a target runs the .onnx
     patches = ONNX_PATCHES
     artifact_name = ONNX_NAME
+    audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate"}
     description = "torch.onnx.export (dynamo, TorchScript fallback) -> onnxruntime CPU"
 
     def audit(self, program_path: Path) -> dict:
@@ -169,6 +171,16 @@ class TvmOnnxBackend(Backend):
     # TVM 0.27's Relax ONNX frontend has no LSTM converter ("OpNotImplemented: ... LSTM"): the LSTM
     # steps get the cell written out (unrolled_lstm); every other step shares onnxruntime's ONNX file
     patches = ONNX_PATCHES + ("unrolled_lstm",)
+    audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate",
+                    "onnx_ops_without_tvm_converter": "ONNX ops without a TVM converter"}
+    workarounds = {w.name: w for w in (
+        Workaround("unrolled_lstm", "the Relax ONNX frontend has no LSTM converter ('OpNotImplemented: The following "
+                   "operators are not supported for frontend ONNX: LSTM')", "apache-tvm 0.27.0.post1",
+                   "docs/upstream/tvm-onnx-lstm/ (tracked: apache/tvm#20124)", patch="unrolled_lstm"),
+        Workaround("stft_phase_where", "CustomSTFT's boolean phase[mask] = pi exports as NonZero + ScatterND, which "
+                   "the Relax ONNX frontend rejects ('ScatterND op requires the updates tensor to have the shape')",
+                   "apache-tvm 0.27.0.post1", "no bundle yet", patch="stft_phase_where"),
+    )}
     artifact_name = "model.so"
     description = "the ONNX file of `onnxruntime` through TVM Relax's ONNX frontend (llvm, Relax VM)"
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from . import Backend
+from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
 
 TARGET = "llvm"
-COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
 # harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
 TVM_PATCHES = ("stft_phase_where",)
 
@@ -34,6 +33,22 @@ def _clamp_int_safe(node, importer):
 
 # converters that replace the frontend's own for ops it mistranslates (recorded in the audit)
 CONVERTER_FIXES = {"clamp.default": _clamp_int_safe}
+FIX_WORKAROUND = {"clamp.default": "clamp_int_bound"}  # converter fix -> its workaround's name
+
+_TVM = "apache-tvm 0.27.0.post1"
+TVM_WORKAROUNDS = {w.name: w for w in (
+    Workaround("clamp_int_bound", "from_exported_program gives an int64 clamp with one bound +-inf, and building "
+               "it fails: 'Cannot convert infinity to BigInt' (SineGen's linear interpolation)", _TVM,
+               "docs/upstream/tvm-clamp-int/"),
+    Workaround("stft_phase_where", "a boolean-mask index_put is rejected: 'IndexPut requires each index tensor "
+               "to have integer dtype' (CustomSTFT's phase[mask] = pi)", _TVM,
+               "docs/upstream/tvm-index-put-bool/", patch="stft_phase_where"),
+)}
+
+
+def converter_fixes(disabled=()) -> dict:
+    """CONVERTER_FIXES without those whose workaround is switched off."""
+    return {op: fn for op, fn in CONVERTER_FIXES.items() if FIX_WORKAROUND[op] not in disabled}
 
 
 def frontend_gaps(program) -> dict:
@@ -94,7 +109,7 @@ REPRO_RUNNER = '''def run_backend(program, inputs):
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
 
-    mod = from_exported_program(program, custom_convert_map={"clamp.default": _clamp_int_safe})
+    mod = from_exported_program(program, custom_convert_map=CONVERTER_FIXES)
     with tvm.transform.PassContext(opt_level=3):
         vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
@@ -110,10 +125,12 @@ class TvmBackend(Backend):
     requires = ("tvm",)
     patches = COMMON_PATCHES + TVM_PATCHES
     artifact_name = "model.so"
+    workarounds = TVM_WORKAROUNDS
+    audit_labels = {"ops_without_converter": "ops without a TVM converter"}
     description = f"Apache TVM Relax (from_exported_program, target {TARGET}, Relax VM)"
 
     def version(self) -> str:
-        return tvm_version()
+        return tvm_version() + self.workaround_tag()
 
     def audit(self, program_path: Path) -> dict:
         import torch
@@ -127,17 +144,20 @@ class TvmBackend(Backend):
         from tvm.relax.frontend.torch import from_exported_program
 
         start = time.perf_counter()
-        mod = from_exported_program(torch.export.load(str(program_path)), custom_convert_map=CONVERTER_FIXES)
+        fixes = converter_fixes(self.disabled_workarounds())
+        mod = from_exported_program(torch.export.load(str(program_path)), custom_convert_map=fixes)
         import_s = time.perf_counter() - start
         build_library(mod, out_dir / self.artifact_name)
         return {"import_s": import_s, "build_s": time.perf_counter() - start - import_s, "target": TARGET,
-                "converter_fixes": sorted(CONVERTER_FIXES)}
+                "converter_fixes": sorted(fixes)}
 
     def repro_source(self) -> str:
         """The converter fix this backend applies, inlined: the repro imports no harness code."""
         import inspect
 
-        return inspect.getsource(_clamp_int_safe) + "\n\n" + REPRO_RUNNER
+        fixes = converter_fixes(self.disabled_workarounds())
+        table = "CONVERTER_FIXES = {" + ", ".join(f"{op!r}: {fn.__name__}" for op, fn in fixes.items()) + "}\n\n\n"
+        return "".join(inspect.getsource(fn) + "\n\n" for fn in fixes.values()) + table + REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         return run_library(artifact_path, inputs)

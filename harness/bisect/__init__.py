@@ -24,9 +24,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from .graph import BisectError, StepGraph, evaluate, is_float, module_path, module_stack, restore_names, \
+from .graph import BisectError, StepGraph, evaluate, is_float, is_tensor, module_boundaries, module_path, restore_names, \
     source_line, strip_kmodel
-from .probe import Probe, key_metrics, run_probe
+from .probe import BISECT_VERSION, Probe, key_metrics, run_probe
 from .search import first_failing
 
 __all__ = ["BISECTABLE", "BisectError", "Bisector", "StepGraph", "bisect_item", "evaluate", "module_path",
@@ -88,7 +88,7 @@ class Bisector:
         compiled = p.compile == "miss"
         self.counts["compiles" if compiled else "compile_hits"] += 1
         self.counts[f"{phase}_compiles"] += compiled
-        self.counts["runs"] += p.status != "compile_error"
+        self.counts["runs"] += p.ran
         self.probes.append(p)
         self.log(f"  {phase:7s} {label:40s} {p.n_ops:5d} ops  {p.status:13s} compile {p.compile}  {p.why[:90]}")
         return p
@@ -98,7 +98,10 @@ class Bisector:
 
     # -- cuts -----------------------------------------------------------------------------
     def float_ops(self, region: set[str] | None = None) -> list:
-        return [n for n in self.graph.nodes if n.op == "call_function" and is_float(n)
+        """The candidate cuts: float ops; when localizing an error, every op with a tensor value (an
+        integer `aten.alias` may be what a converter lacks: ALBERT's position_ids)."""
+        keep = is_tensor if self.errors_count else is_float
+        return [n for n in self.graph.nodes if n.op == "call_function" and keep(n)
                 and (region is None or n.name in region)]
 
     def live_at(self, cands: list, i: int, keep: set[str], outputs: list[str]) -> list[str]:
@@ -116,33 +119,8 @@ class Bisector:
     # -- module stage ---------------------------------------------------------------------
     def modules(self) -> list[dict]:
         """Modules `depth` levels below the step's module(s), with their boundary, in completion order."""
-        roots = {"kmodel." + p for p in self.step.module_path.split("+")}
-        members: dict[str, set] = {}
-        types: dict[str, str] = {}
-        for n in self.graph.nodes:
-            if n.op != "call_function":
-                continue
-            stack = module_stack(n)
-            for i, (path, _) in enumerate(stack):
-                if path in roots:
-                    for sub, typ in stack[i + 1:i + 1 + self.depth]:
-                        members.setdefault(sub, set()).add(n.name)
-                        types[sub] = str(typ)
-                    break
-        out = []
-        node, pos = self.graph.node, self.graph.pos
-        for path, names in members.items():
-            if types[path].startswith(SKIP_MODULE_TYPES):
-                continue
-            outs = [x for x in sorted(names, key=pos.__getitem__) if is_float(node[x])
-                    and (x in self.graph.outputs or any(u.name not in names for u in node[x].users))]
-            if not outs:
-                continue
-            stop = sorted({a.name for x in names for a in node[x].all_input_nodes
-                           if a.name not in names and a.op != "get_attr"}, key=pos.__getitem__)
-            out.append({"path": path, "type": types[path], "outputs": outs, "stop": stop,
-                        "end": max(pos[x] for x in names), "last": max(outs, key=pos.__getitem__)})
-        return sorted(out, key=lambda m: m["end"])
+        return module_boundaries(self.graph, {"kmodel." + p for p in self.step.module_path.split("+")}, self.depth,
+                                 SKIP_MODULE_TYPES)
 
     def module_stage(self) -> tuple[dict | None, list[dict], list]:
         """(first module whose cut diverges, the table of probed cuts, float ops after the cut before it)."""
@@ -228,7 +206,7 @@ class Bisector:
     # -- the whole localization -----------------------------------------------------------
     def run(self, repro: bool = True, verify: bool = True) -> dict:
         start = time.monotonic()
-        out: dict[str, Any] = {"version": 5, "backend": self.backend.name, "depth": self.depth,
+        out: dict[str, Any] = {"version": BISECT_VERSION, "backend": self.backend.name, "depth": self.depth,
                                "searching": "errors" if self.errors_count else "values"}
         first, table, region = self.module_stage() if self.depth > 0 else (None, [], None)
         out["modules"] = table
@@ -246,7 +224,7 @@ class Bisector:
             out["message"] = (f"every probe of {out['region']} passes on {self.backend.name}: the failure is not in "
                               f"a node's value (a shape, the valid region, or a crash of the whole program?)")
         else:
-            out.update(self._localized(op))
+            out.update(localized(op))
             if repro:
                 from ..repro import write_bundle
 
@@ -258,22 +236,24 @@ class Bisector:
         out["seconds"] = round(time.monotonic() - start, 1)
         return out
 
-    def _localized(self, op: dict) -> dict:
-        k, after = op["node"], op["after"]
-        local = op["local"]
-        first_op = {
-            "node": k.name, "op": str(k.target), "module": module_path(k), "source": source_line(k),
-            "kind": op["kind"], "status": after.status,
-            "why": next((w for w in after.why.split("; ") if w.startswith(k.name + ":")), after.why),
-            "after": after.metrics.get(k.name, {}), "before": op["before"], "previous_node": op["previous"],
-            "local": {"status": local.status, **key_metrics(local.metrics.get(k.name, {}))}}
-        if op["uncertain_from"]:
-            first_op["uncertain_from"] = op["uncertain_from"]
-        message = f"first diverging op {k.name} ({k.target}, {op['kind']}) in {module_path(k)} at {source_line(k)}"
-        if op["uncertain_from"]:
-            message += f" (or from {op['uncertain_from']} on: the probes before it could not run)"
-        return {"status": "localized", "first_op": first_op, "message": message,
-                "window": {"label": op["window"].label, "n_ops": op["window"].n_ops, "status": op["window"].status}}
+
+def localized(op: dict) -> dict:
+    """The result fields of a localized op: first_op, message, window."""
+    k, after = op["node"], op["after"]
+    local = op["local"]
+    first_op = {
+        "node": k.name, "op": str(k.target), "module": module_path(k), "source": source_line(k),
+        "kind": op["kind"], "status": after.status,
+        "why": next((w for w in after.why.split("; ") if w.startswith(k.name + ":")), after.why),
+        "after": after.metrics.get(k.name, {}), "before": op["before"], "previous_node": op["previous"],
+        "local": {"status": local.status, **key_metrics(local.metrics.get(k.name, {}))}}
+    if op["uncertain_from"]:
+        first_op["uncertain_from"] = op["uncertain_from"]
+    message = f"first diverging op {k.name} ({k.target}, {op['kind']}) in {module_path(k)} at {source_line(k)}"
+    if op["uncertain_from"]:
+        message += f" (or from {op['uncertain_from']} on: the probes before it could not run)"
+    return {"status": "localized", "first_op": first_op, "message": message,
+            "window": {"label": op["window"].label, "n_ops": op["window"].n_ops, "status": op["window"].status}}
 
 
 def _kind(local_diverges: bool | None) -> str:

@@ -237,3 +237,34 @@ def restore_names(program, carved) -> bool:
     program.graph_module.recompile()
     return set(src) <= {n.name for n in dst}
 
+
+
+def module_boundaries(graph: StepGraph, roots: set[str], depth: int, skip_types: tuple[str, ...] = ()) -> list[dict]:
+    """The modules `depth` levels below `roots` (by nn_module_stack), each with its member nodes'
+    float outputs, its inputs from outside (`stop`), and its last position, in completion order."""
+    members: dict[str, set] = {}
+    types: dict[str, str] = {}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        stack = module_stack(n)
+        for i, (path, _) in enumerate(stack):
+            if path in roots:
+                for sub, typ in stack[i + 1:i + 1 + depth]:
+                    members.setdefault(sub, set()).add(n.name)
+                    types[sub] = str(typ)
+                break
+    out = []
+    node, pos = graph.node, graph.pos
+    for path, names in members.items():
+        if types[path].startswith(skip_types):
+            continue
+        outs = [x for x in sorted(names, key=pos.__getitem__) if is_float(node[x])
+                and (x in graph.outputs or any(u.name not in names for u in node[x].users))]
+        if not outs:
+            continue
+        stop = sorted({a.name for x in names for a in node[x].all_input_nodes
+                       if a.name not in names and a.op != "get_attr"}, key=pos.__getitem__)
+        out.append({"path": path, "type": types[path], "outputs": outs, "stop": stop,
+                    "end": max(pos[x] for x in names), "last": max(outs, key=pos.__getitem__)})
+    return sorted(out, key=lambda m: m["end"])

@@ -11,16 +11,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..plumbing.files import atomic_write_json, content_key, save_tensors
+from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
 from .graph import BisectError, evaluate, restore_names
 
 BISECT_VERSION = 5  # bump when carving or exporting probes changes: it invalidates cached probes
-KEY_METRICS = ("rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "cosine", "nan_rate", "new_nonfinite")
+PROBE_METRICS = (  # what a probe keeps of each output's metrics
+    "rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "cosine", "nan_rate", "new_nonfinite")
 NO_ANSWER = ("compile_error", "run_error", "crashed", "timeout")  # statuses of a probe that did not run
 
 
 def key_metrics(m: dict) -> dict:
-    return {k: m[k] for k in KEY_METRICS if k in m}
+    return {k: m[k] for k in PROBE_METRICS if k in m}
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Probe:
         compile); otherwise it says nothing about values (an item whose values were wrong)."""
         if self.ran:
             return self.status == "fail"
+        if self.status == "compiled":  # compiled, cannot run here (Core ML off macOS): no value to judge
+            return False if errors_count else None
         return True if errors_count else None
 
     def summary(self) -> dict:
@@ -66,7 +69,10 @@ def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list,
     from ..plumbing import cache
 
     gm, in_names = graph.carve(outputs, stop)
-    inputs = graph.values32(in_names)
+    # canonical strides, for export too: a value the interpreter left as a transposed view ([1, N, 1]
+    # with strides (N, 1, N)) exports with a non-standard dim order that ExecuTorch's own kernels
+    # then reject ("different dim orders"; XNNPACK: "Propagating input shapes failed")
+    inputs = [canonical(t) for t in graph.values32(in_names)]
     key = content_key("bisect-probe", BISECT_VERSION, graph.program_key, outputs, in_names)
 
     def build(tmp: Path) -> None:
@@ -123,23 +129,53 @@ class _NotCompiled(Exception):
     pass
 
 
+def compile_only(backend, probe_key: str, entry: Path, limits) -> tuple[str | None, Any, bool]:
+    """For a backend that compiles here but cannot run (`Backend.runnable`): compile through the
+    artifact cache in a child process, no run. Returns (the phase that failed or None, JobResult
+    or None on a cache hit, compiled now?)."""
+    from ..plumbing import cache
+    from ..plumbing.jobs import run_job
+
+    key = backend.artifact_key(probe_key)
+    if cache.lookup("artifacts", key):
+        return None, None, False
+    outcome = {}
+
+    def build(tmp: Path) -> None:
+        outcome["result"] = run_job("harness.backends:compile_job",
+                                    dict(backend=backend.name, program_path=str(entry / "program.pt2"),
+                                         out_dir=str(tmp)), tmp, limits.compile_s)
+        if not outcome["result"].ok:
+            raise _NotCompiled()
+
+    try:
+        cache.get_or_build("artifacts", key, build)
+    except _NotCompiled:
+        return "compile", outcome["result"], True
+    return None, outcome["result"], True
+
+
 def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: str, outputs: list[str],
               stop=()) -> Probe:
     """Compile and run the subprogram computing `outputs` (inputs: `stop`) on the backend, and
     judge each output with `check` against its own fp32/fp64 references."""
     import torch
 
-    from ..metrics.tensor import compare_to_floor
-
     start = time.monotonic()
     gm, in_names, inputs, key, entry = export_probe(graph, outputs, stop)
     probe = Probe(phase, label, list(outputs), in_names, sum(1 for n in gm.graph.nodes if n.op == "call_function"), key)
     probe.timing["export_s"] = round(time.monotonic() - start, 2)
     run_dir = run_root / key[:16]
-    failed, result, compiled = compile_and_run(backend, key, entry, run_dir, limits)
-    probe.timing["compile_run_s"] = round(result.seconds, 2)
+    runnable, not_here = backend.runnable()
+    if runnable:
+        failed, result, compiled = compile_and_run(backend, key, entry, run_dir, limits)
+    else:
+        failed, result, compiled = compile_only(backend, key, entry, limits)
+    probe.timing["compile_run_s"] = round(result.seconds, 2) if result is not None else 0.0
     probe.compile = "miss" if compiled else "hit"
-    if failed:
+    if not failed and not runnable:
+        probe.status, probe.why = "compiled", f"compiled; {not_here}"
+    elif failed:
         probe.status = {"crashed": "crashed", "timeout": "timeout"}.get(result.status, f"{failed}_error")
         probe.why = f"{failed}: {result.error}"
         probe.log = "\n".join(result.log_tail.splitlines()[-8:])
@@ -155,6 +191,8 @@ def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: 
 
 
 def _judge(probe: Probe, gm, inputs: list, got: list, check) -> None:
+    import torch
+
     from ..metrics.tensor import compare_to_floor
 
     ref32, ref64 = evaluate(gm, inputs, "float32"), evaluate(gm, inputs, "float64")
@@ -163,6 +201,11 @@ def _judge(probe: Probe, gm, inputs: list, got: list, check) -> None:
         if tuple(out.shape) != tuple(r64.shape):
             probe.failing.append(name)
             whys.append(f"{name}: shape {tuple(out.shape)} != {tuple(r64.shape)}")
+            continue
+        if not r64.is_floating_point():  # an integer or boolean value (a probe of an error search): exact
+            if not torch.equal(out.to(r64.dtype), r64):
+                probe.failing.append(name)
+                whys.append(f"{name}: {r64.dtype} values differ")
             continue
         m = compare_to_floor(out, r32, r64)
         probe.metrics[name] = key_metrics(m)

@@ -105,11 +105,9 @@ class _Faulty(Backend):
     def run(self, artifact_path: Path, inputs: list) -> list:
         return self._base.run(artifact_path, inputs)
 
-    def repro_runner(self) -> str:
+    def repro_source(self) -> str:
         """The `run_backend(program, inputs)` of a standalone repro: the fault, then the base."""
-        from harness.bisect import repro_runner
-
-        base = repro_runner(self._base).replace("def run_backend(", "def run_base_backend(")
+        base = self._base.repro_source().replace("def run_backend(", "def run_base_backend(")
         fault = parse_fault(os.environ.get(FAULT_ENV))
         return (f"{inspect.getsource(insert_fault)}\n\n{base}\n\nFAULT = {fault!r}\n\n\n"
                 "def run_backend(program, inputs):\n"

@@ -78,7 +78,10 @@ def test_profile_overrides_by_step_and_backend(tmp_path):
 def test_bad_profile_names_the_file(tmp_path):
     p = tmp_path / "tol.yaml"
     p.write_text("default: {floor_multiplyer: 4}\n")
-    with pytest.raises(ValueError, match="tol.yaml"):
+    with pytest.raises(ValueError, match="tol.yaml, default: floor_multiplyer: Unexpected"):
+        Profile.load(p)
+    p.write_text("overrides:\n  - {step: decoder}\n  - {step: f0n, rel_l2: small}\n")
+    with pytest.raises(ValueError, match=r"overrides\[1\]: rel_l2: Input should be a valid number"):
         Profile.load(p)
 
 

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Repro: Kokoro's SineGen phase overflows float16 on utterances over ~6 s
+
+Minimal program: program.pt2 (torch.export of the module in REPORT.md), inputs.pt, and the float64
+result of the same program, expected.pt. Needs only torch, numpy and torch (versions in ENV.md).
+
+Exit code: 1 while the defect reproduces, 0 once it is fixed, 2 when it cannot run here (the
+runtime is not installed), 3 when it fails differently (read the output).
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+SIGNATURE = 'non-finite'  # the text that is this defect
+
+
+def classify(error):
+    """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
+    import traceback
+
+    text = f"{type(error).__name__}: {error}"
+    frames = traceback.format_exception(type(error), error, error.__traceback__)
+    print("".join(frames[-6:]).rstrip())
+    if SIGNATURE in text:
+        return 1, f"REPRODUCED: {text.strip().splitlines()[-1][:300]}"
+    return 3, f"CHANGED: a different error than {SIGNATURE!r}: {text.strip().splitlines()[-1][:300]}"
+
+
+def values_match(program, inputs, expected, got, runtime):
+    """Converted and ran: compare with the float64 expected output, beside PyTorch float32's own error."""
+    with torch.no_grad():
+        ours = program.module()(*[t.clone() for t in inputs])
+    ours = list(ours) if isinstance(ours, (list, tuple)) else [ours]
+    worst = []
+    for ref, o32, out in zip(expected, ours, got):
+        out = torch.as_tensor(out).double().reshape(ref.shape)
+        if ref.dtype in (torch.bool, torch.int64, torch.int32):
+            worst.append((0.0 if torch.equal(out.to(ref.dtype), ref) else float("inf"), 0.0))
+            continue
+        norm = float(ref.norm()) or 1.0
+        worst.append((float((out - ref).norm()) / norm, float((o32.double() - ref).norm()) / norm))
+    bad = [(e, f) for e, f in worst if not (e == e) or e > max(1e-5, 4 * f)]
+    table = ", ".join(f"rel_l2 {e:.3e} (PyTorch fp32 {f:.3e})" for e, f in worst)
+    if bad:
+        return 3, f"CHANGED: {runtime} converts now, but its outputs differ from float64: {table}"
+    return 0, f"FIXED: {runtime} converts and matches float64 within 4 x PyTorch float32's error: {table}"
+
+
+def check(program, inputs, expected):
+    """PyTorch in float16 on CPU (what a float16 deployment computes): does the output stay finite?"""
+    module = program.module()
+    with torch.no_grad():
+        got = module.half()(*[t.half() if t.is_floating_point() else t for t in inputs])
+    got = got.double()
+    ref = expected[0]
+    bad = ~torch.isfinite(got) & torch.isfinite(ref)
+    if bad.any():
+        first = int(bad.reshape(-1).nonzero()[0]) if bad.any() else -1
+        return 1, (f"REPRODUCED: {float(bad.double().mean()):.1%} of the float16 output is non-finite "
+                   f"(from sample {first} of {ref.numel()}, {first / 24000:.2f} s at 24 kHz); float64 is finite")
+    err = float((got - ref).norm() / ref.norm())
+    return 0, f"FIXED: the float16 output is finite (relative L2 {err:.3e} against float64)"
+
+
+def main():
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        print(f"cannot run here: {e}")
+        return 2
+    program = torch.export.load(str(HERE / "program.pt2"))
+    inputs = torch.load(HERE / "inputs.pt", weights_only=True)
+    expected = torch.load(HERE / "expected.pt", weights_only=True)["float64"]
+    print(f"torch {torch.__version__}, numpy {np.__version__}; inputs " +
+          ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs))
+    code, message = check(program, inputs, expected)
+    print(message)
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - not the defect's signature: exit 3, never 1
+        import traceback
+
+        traceback.print_exc()
+        print(f"CHANGED: repro.py itself failed: {type(e).__name__}: {e}")
+        sys.exit(3)

@@ -1,0 +1,226 @@
+"""A user's own artifact as a backend: its "compile" is a copy of the user's file (a prebuilt backend).
+
+People bring their own `.onnx`, `.pte`, TVM library (`.so`) or `.mlpackage`. Made a backend, such
+a file goes through the same cache, child-process jobs, records, history and dashboard as every
+program the harness exports itself. A prebuilt backend is created per artifact (its name is
+`prebuilt:<absolute path>`, which `harness.backends.get_backend` understands), never listed among
+the built-in backends. Heavy runtimes are imported inside the functions that run them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import platform
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import Backend
+
+PREFIX = "prebuilt:"
+KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
+         ".mlpackage": "coreml", ".mlmodel": "coreml"}
+REQUIRES = {"onnx": ("onnxruntime", "onnx"), "executorch": ("executorch",), "tvm": ("tvm",),
+            "coreml": ("coremltools",)}
+
+
+class ArtifactMismatch(ValueError):
+    """The artifact's inputs or outputs do not fit what the harness gives it."""
+
+
+@dataclass(frozen=True)
+class Port:
+    """One declared input or output of an artifact."""
+
+    name: str | None  # None: the format has no names (.pte)
+    shape: tuple | None  # None: unknown; an entry that is not an int is a symbolic (free) axis
+    dtype: str | None = None
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+
+def kind_of(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in KINDS:
+        raise ValueError(f"{path}: unknown artifact type {suffix!r}; known: {', '.join(sorted(KINDS))}")
+    return KINDS[suffix]
+
+
+def display_name(path: str | Path) -> str:
+    """The backend column of records and item ids: `artifact-<file name>` (dots made underscores,
+    so that `-k` selects it)."""
+    return "artifact-" + Path(path).name.replace(".", "_")
+
+
+class PrebuiltBackend(Backend):
+    description = "a user's prebuilt artifact (compile = copy of the file)"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+        self.kind = kind_of(self.path)
+        self.name = PREFIX + str(self.path)
+        self.requires = REQUIRES[self.kind]
+        self.artifact_name = "artifact" + self.path.suffix.lower()
+        self.run_audit = {}
+
+    @property
+    def display(self) -> str:
+        return display_name(self.path)
+
+    def available(self) -> tuple[bool, str]:
+        if not self.path.exists():
+            return False, f"{self.path} does not exist"
+        missing = [p for p in self.requires if importlib.util.find_spec(p) is None]
+        if missing:
+            return False, f"package(s) not installed to run a {self.kind} artifact: {', '.join(missing)}"
+        return True, ""
+
+    def runnable(self) -> tuple[bool, str]:
+        if self.kind == "coreml" and platform.system() != "Darwin":
+            return False, f"Core ML prediction needs macOS (this is {platform.system()})"
+        return True, ""
+
+    def version(self) -> str:
+        from ..plumbing.files import sha256_file
+
+        digest = (sha256_file(self.path)[:16] if self.path.is_file() else
+                  _tree_digest(self.path) if self.path.is_dir() else "missing")
+        return f"{super().version()},file={digest}"
+
+    def artifact_key(self, program_key: str = "") -> str:
+        """Keyed by the file's content alone: a prebuilt artifact has no program."""
+        from ..plumbing.files import content_key
+
+        return content_key("prebuilt", self.kind, self.version())
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict[str, Any]:
+        """The copy: `program_path` is the user's file itself."""
+        src, dest = Path(program_path), Path(out_dir) / self.artifact_name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dest)
+        else:
+            shutil.copyfile(src, dest)
+        return {"artifact": str(self.path), "kind": self.kind}
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        return run_artifact(artifact_path, inputs)
+
+
+def _tree_digest(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(path).as_posix().encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+# ---- what the artifact declares ----------------------------------------------------------
+
+def describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
+    """(declared inputs, declared outputs or None when the format does not say), without running."""
+    kind, path = kind_of(path), str(path)
+    if kind == "onnx":
+        import onnx
+
+        graph = onnx.load(path, load_external_data=False).graph
+        init = {i.name for i in graph.initializer}
+
+        def port(v) -> Port:
+            t = v.type.tensor_type
+            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name if t.elem_type else None
+            return Port(v.name, shape if t.HasField("shape") else None, dtype)
+
+        return [port(i) for i in graph.input if i.name not in init], [port(o) for o in graph.output]
+    if kind == "executorch":
+        from executorch.runtime import Runtime
+
+        meta = Runtime.get().load_program(path).metadata("forward")
+
+        def et_port(info) -> Port:
+            return Port(None, tuple(info.sizes()), _et_dtype(str(info.dtype())))
+
+        return ([et_port(meta.input_tensor_meta(i)) for i in range(meta.num_inputs())],
+                [et_port(meta.output_tensor_meta(i)) for i in range(meta.num_outputs())])
+    if kind == "tvm":
+        import tvm
+        from tvm import relax
+
+        vm = relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())
+        n = vm._get_function_arity("main")
+        return [Port(vm._get_function_param_name("main", i), None) for i in range(n)], None
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(path)
+    ins = [Port(i.name, tuple(i.type.multiArrayType.shape) or None) for i in spec.description.input]
+    outs = [Port(o.name, tuple(o.type.multiArrayType.shape) or None) for o in spec.description.output]
+    return ins, outs
+
+
+def _et_dtype(name: str) -> str:
+    name = name.split(".")[-1].lower()
+    return {"float": "float32", "half": "float16", "long": "int64", "int": "int32", "double": "float64"}.get(name, name)
+
+
+def describe_job(path: str) -> dict:
+    """Job function (child process): a corrupted file crashes or raises there, not in the harness."""
+    ins, outs = describe(path)
+    as_list = lambda ports: None if ports is None else [  # noqa: E731
+        [p.name, list(p.shape) if p.shape is not None else None, p.dtype] for p in ports]
+    return {"inputs": as_list(ins), "outputs": as_list(outs), "n_outputs": None if outs is None else len(outs)}
+
+
+def ports_from_job(value: dict) -> tuple[list[Port], list[Port] | None]:
+    mk = lambda rows: None if rows is None else [  # noqa: E731
+        Port(n, tuple(s) if s is not None else None, d) for n, s, d in rows]
+    return mk(value["inputs"]), mk(value["outputs"])
+
+
+# ---- running (in a child process) ----------------------------------------------------------
+
+_NP = {"tensor(float16)": "float16", "tensor(int32)": "int32", "tensor(float)": "float32",
+       "tensor(int64)": "int64", "tensor(bool)": "bool", "tensor(double)": "float64"}
+
+
+def run_artifact(path: str | Path, inputs: list) -> list:
+    """Run an artifact on tensors in its own input order (cast to its declared dtypes)."""
+    import numpy as np
+    import torch
+
+    kind, path = kind_of(path), Path(path)
+    if kind == "executorch":
+        from executorch.runtime import Runtime
+
+        program = Runtime.get().load_program(str(path))
+        meta = program.metadata("forward")
+        casts = [getattr(torch, _et_dtype(str(meta.input_tensor_meta(i).dtype())), None)
+                 for i in range(meta.num_inputs())]
+        inputs = [t.to(c) if isinstance(c, torch.dtype) else t for t, c in zip(inputs, casts)]
+        return list(program.load_method("forward").execute([t.contiguous() for t in inputs]))
+    if kind == "onnx":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        feed = {}
+        for port, t in zip(sess.get_inputs(), inputs):
+            a = t.detach().cpu().numpy()
+            want = _NP.get(port.type)
+            feed[port.name] = np.ascontiguousarray(a.astype(want) if want is not None else a)
+        return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, feed)]
+    if kind == "tvm":
+        from .tvm import run_library
+
+        return run_library(path, inputs)
+    import coremltools as ct
+
+    model = ct.models.MLModel(str(path))
+    spec = model.get_spec()
+    out = model.predict({i.name: t.numpy() for i, t in zip(spec.description.input, inputs)})
+    return [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]

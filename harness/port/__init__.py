@@ -1,0 +1,10 @@
+"""A user's port: an ordered list of stages (artifacts), each mapped to Kokoro tensors, judged
+stage by stage against the reference at the port's own boundaries (issues 14 and 21).
+
+- tensors.py: the Kokoro tensor vocabulary a port file maps to.
+- portfile.py: `port.yaml`, validated whole (`load_port`); the one-stage whole-model port.
+- noise.py: the noise band of the audio metrics for artifacts that draw their own noise.
+- chain.py: run a port on a case; each stage judged locally and chained; one record.
+- onnx_stages.py: localization inside an ONNX artifact (intermediate outputs mapped to modules).
+- init.py: `kokoro-parity port init` (a port file guessed from artifacts).
+"""

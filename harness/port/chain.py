@@ -1,0 +1,429 @@
+"""Run a port on one case and judge it stage by stage: one Record.
+
+Each stage is a prebuilt backend (harness/backends/prebuilt.py): its artifact is "compiled" by a
+copy into the cache and run in a child process like every backend. Each stage is judged twice:
+*locally* (fed the reference's tensors at its boundary) and *chained* (fed the previous stages'
+outputs, with the harness's host glue between them: durations -> alignment -> aligned features),
+as the app runs it. Per stage: the local error against its fp32 floor, the chained error, the kind
+of difference; durations where a stage outputs them; the audio of the last stage against the
+noise band when the stage draws its own noise. The reason names the first stage whose *local*
+error leaves its floor: a defect of its own, not the error the chain accumulated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import tensors
+from .portfile import Port, PortError, StageSpec
+
+MAX_SHIFT = 64  # samples (or positions) tried when naming a difference a shift
+
+
+@dataclass(frozen=True)
+class PortItem:
+    """(case, port, mode): ids `case-port:<name>-<backend>-mode` (or `case-e2e-artifact-...` for a
+    whole-model file), selectable with -k."""
+
+    case: str
+    spec: str  # the port file, or e2e=PATH for a whole-model artifact
+    mode: str = "dynamic"
+    error: str = ""  # a port that failed validation: the item reports it (nothing else is lost)
+    label: str = ""  # port name (or whole-model artifact's backend name)
+
+    @property
+    def whole_model(self) -> bool:
+        return self.spec.startswith("e2e=")
+
+    @property
+    def step(self) -> str:
+        return "e2e" if self.whole_model else f"port:{self.label}"
+
+    @property
+    def backend(self) -> str:
+        from ..backends.prebuilt import display_name
+
+        return display_name(self.spec[4:]) if self.whole_model else "port"
+
+    @property
+    def id(self) -> str:
+        from ..record import item_id
+
+        return item_id(self.case, self.step, self.backend, self.mode)
+
+
+def open_port(spec: str) -> Port:
+    from .portfile import load_port, whole_model_port
+
+    return whole_model_port(spec[4:]) if spec.startswith("e2e=") else load_port(spec)
+
+
+def port_items(session, specs: list[str], modes=("dynamic",)) -> list[PortItem]:
+    """Items of the ports given (`--port FILE`, `--artifact e2e=PATH`); a port that does not
+    validate gives items that report its error instead of stopping the run."""
+    items = []
+    for spec in specs:
+        try:
+            port = open_port(spec)
+            label, error = port.name, ""
+        except (PortError, ValueError, FileNotFoundError) as e:
+            label, error = Path(spec.partition("=")[2] if spec.startswith("e2e=") else spec).stem, str(e)
+        items += [PortItem(c, spec, "dynamic", error, label) for c in session.cases]
+        if "static" in modes and not any(m == "dynamic" for m in modes):
+            pass  # a port runs the lengths its artifacts take (dynamic); buckets come from the port file
+    return items
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+def run_port_item(session, item: PortItem):
+    """Run and judge a port item; the record is written like any other."""
+    from ..record import Record
+    from ..verdict import Verdict
+
+    rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED,
+                 model={"name": session.model.name, "digest": session.model.digest, "source": session.model.source})
+    from ..runner import versions
+
+    rec.versions = versions(None)
+    if item.error:
+        rec.verdict, rec.reason = Verdict.RUN_ERROR, item.error
+        return session.finish(rec)
+    try:
+        port = open_port(item.spec)
+    except (PortError, ValueError, FileNotFoundError) as e:
+        rec.verdict, rec.reason = Verdict.RUN_ERROR, str(e)
+        return session.finish(rec)
+    rec.audit["port"] = {"name": port.name, "source": port.source,
+                         "stages": [{"name": s.name, "artifact": s.artifact, "precision": s.precision,
+                                     "inputs": {k: v.tensor for k, v in s.inputs.items()},
+                                     "outputs": {k: v.tensor for k, v in s.outputs.items()}} for s in port.stages]}
+    try:
+        run_chain(session, port, item, rec)
+    except PortError as e:
+        rec.verdict, rec.reason = Verdict.RUN_ERROR, f"{port.source}: {e}"
+    return session.finish(rec)
+
+
+def run_chain(session, port: Port, item: PortItem, rec) -> None:
+    from ..verdict import Verdict
+
+    traces = session.traces(item.case)
+    case = session.cases[item.case]
+    chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
+    first_local = None
+    for i, stage in enumerate(port.stages):
+        tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
+        local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
+        local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces)
+        if local_out is None:
+            return
+        if i == 0:
+            chained_out = local_out
+        else:
+            chain_in = {ref.tensor: glue(ref.tensor, chained, traces) for ref in stage.inputs.values()}
+            chained_out = run_stage(session, port, stage, chain_in, rec, item, "chained", traces)
+            if chained_out is None:
+                return
+        chained.update(chained_out)
+        row = {"stage": stage.name, "artifact": stage.artifact, "precision": stage.precision, "outputs": {}}
+        for tensor in chained_out:
+            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage)
+            chain = local if i == 0 else judge_tensor(tensor, chained_out[tensor], traces, tol, stage)
+            row["outputs"][tensor] = {"local": local, "chained": chain}
+            if not local.get("ok", True) and first_local is None:
+                first_local = (stage.name, tensor, local)
+        row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
+        row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
+        rec.stages.append(row)
+    judge_end(session, port, item, rec, chained, traces, case)
+    if first_local is not None:
+        stage, tensor, m = first_local
+        rec.reason += (f"; first stage whose local error leaves its floor: {stage!r} ({tensor}: "
+                       f"{m.get('why', '')}; {m.get('kind', '')})")
+    elif rec.verdict is not Verdict.PASS:
+        rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
+    rec.reason = rec.reason.lstrip("; ")
+
+
+def boundary(name: str, traces) -> torch.Tensor:
+    """The reference's tensor at a port boundary (fp32, exact lengths, the case's noise)."""
+    return tensors.reference(name, traces, "float32")
+
+
+def glue(name: str, values: dict[str, torch.Tensor], traces) -> torch.Tensor:
+    """A chained stage's input: an earlier stage's output, the host glue over them (the harness's
+    own reference code), or the case's input."""
+    from ..steps import build_alignment
+
+    if name in values:
+        return values[name]
+    if name == "pred_dur" and "duration" in values:
+        return torch.round(values["duration"].reshape(-1)[: traces.valid.tokens]).clamp(min=1).long()
+    if name in ("aln", "frame_lengths"):
+        pred = glue("pred_dur", values, traces)
+        frames = int(pred.sum())
+        if name == "frame_lengths":
+            return torch.tensor([frames])
+        aln = torch.zeros(1, traces.valid.tokens, frames)
+        aln[0, torch.repeat_interleave(torch.arange(len(pred)), pred), torch.arange(frames)] = 1
+        return aln
+    if name == "en":
+        return glue("d", values, traces).transpose(-1, -2) @ glue("aln", values, traces)
+    if name == "asr":
+        return glue("t_en", values, traces) @ glue("aln", values, traces)
+    if name in tensors.NOISE:
+        return noise_for(name, values, traces)
+    _ = build_alignment
+    return boundary(name, traces)
+
+
+def noise_for(name: str, values: dict, traces) -> torch.Tensor:
+    """The case's noise, cut to the chained frames (every length takes a prefix of the same draw)."""
+    from ..model import SAMPLES_PER_FRAME
+
+    full = traces.chain[f"case_{name}"]
+    if name == "rand_ini":
+        return full
+    frames = int(glue("frame_lengths", values, traces)) if ("pred_dur" in values or "duration" in values) \
+        else traces.valid.frames
+    return full[:, : frames * SAMPLES_PER_FRAME].contiguous()
+
+
+def to_artifact(value: torch.Tensor, port, dtype: str | None) -> torch.Tensor:
+    """A Kokoro tensor in the artifact's convention: its declared rank and dtype."""
+    if port is not None and port.rank is not None:
+        while value.dim() > port.rank and value.shape[0] == 1:
+            value = value[0]
+        while value.dim() < port.rank:
+            value = value.unsqueeze(0)
+    want = dtype or (port.dtype if port is not None else None)
+    if want:
+        if want == "int16" and value.is_floating_point():
+            value = (value * 32767).round().clamp(-32768, 32767)
+        value = value.to(getattr(torch, {"bool": "bool"}.get(want, want)))
+    return value.contiguous()
+
+
+def from_artifact(value: torch.Tensor, name: str, declared_dtype: str | None) -> torch.Tensor:
+    """An artifact's output in Kokoro's convention: the vocabulary's rank, float32 or int64."""
+    t = tensors.VOCAB.get(name)
+    value = torch.as_tensor(value)
+    if name == "audio" and not value.is_floating_point():
+        value = value.float() / 32768.0
+    if t is not None:
+        rank = t.shape.count(",") + 1
+        while value.dim() > rank and value.shape[0] == 1:
+            value = value[0]
+        while value.dim() < rank:
+            value = value.unsqueeze(0)
+        if t.dtype.startswith("int"):
+            value = value.round().long() if value.is_floating_point() else value.long()
+        elif value.is_floating_point():
+            value = value.float()
+    return value
+
+
+def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, role: str, traces):
+    """Run one stage's artifact (the bucket that fits) on Kokoro tensors; its outputs as Kokoro
+    tensors, or None with the record's verdict set."""
+    from ..backends.prebuilt import PrebuiltBackend, ports_from_job
+    from ..plumbing.jobs import cached_job, run_job
+    from ..runner import failed
+    from ..verdict import Verdict
+
+    frames = None
+    if stage.buckets:
+        frames = next((int(v.shape[-1]) for k, v in values.items() if k in ("aln", "en", "asr")), None)
+    path = stage.file_for(port.root, frames)
+    backend = PrebuiltBackend(path)
+    tag = f"{stage.name}.{role}." if len(port.stages) > 1 else ""
+    ok, why = backend.available()
+    if not ok:
+        rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r}: {why}"
+        return None
+    run_dir = session.report_dir / "runs" / item.id / f"{stage.name}-{role}"
+    described = run_job("harness.backends.prebuilt:describe_job", dict(path=str(path)), run_dir / "describe",
+                        session.limits.run_s)
+    if not described.ok:
+        failed(rec, described, Verdict.RUN_ERROR)
+        rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"
+        return None
+    ins, outs = ports_from_job(described.value)
+    entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
+                               session.limits.compile_s,
+                               lambda tmp: dict(backend=backend.name, program_path=str(path), out_dir=str(tmp)),
+                               session.counts)
+    rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
+    if result is not None and not result.ok:
+        failed(rec, result, Verdict.COMPILE_ERROR)
+        return None
+    rec.artifact_bytes = max(rec.artifact_bytes or 0, _size(path))
+    runnable, why = backend.runnable()
+    if not runnable:
+        rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r} ({path.name}): {why}"
+        return None
+    feed = []
+    for i, p in enumerate(ins):
+        key = p.name if p.name is not None else f"#{i}"
+        ref = stage.inputs.get(key) or list(stage.inputs.values())[i]
+        feed.append(to_artifact(values[ref.tensor], p, ref.dtype))
+    out = session.run_artifact(backend, entry / backend.artifact_name, feed, rec, f"{item.id}/{stage.name}-{role}", tag)
+    if out is None:
+        rec.reason = f"port {port.source}, stage {stage.name!r} ({path.name}): {rec.reason}"
+        return None
+    names = [p.name if p.name is not None else f"#{i}" for i, p in enumerate(outs)] if outs else list(stage.outputs)
+    if len(out) != len(names):
+        rec.verdict = Verdict.RUN_ERROR
+        rec.reason = f"port {port.source}, stage {stage.name!r}: {path.name} returned {len(out)} outputs, declared {names}"
+        return None
+    result_values = {}
+    for name, value in zip(names, out):
+        ref = stage.outputs.get(name)
+        if ref is None:
+            continue
+        try:
+            result_values[ref.tensor] = from_artifact(value, ref.tensor, ref.dtype)
+        except Exception as e:  # noqa: BLE001
+            raise PortError(f"stage {stage.name!r}, output {name!r}: {e}") from None
+    return result_values
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+# ---- judging --------------------------------------------------------------------------------------
+
+def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec) -> dict:
+    """One output of one stage against the reference: durations exactly, noise-dependent tensors
+    of a stage that draws its own noise by their difference only (the band judges the audio),
+    everything else against the fp32 floor (harness.verdict.comparator)."""
+    from ..metrics.tensor import compare_to_floor
+    from ..verdict import comparator
+
+    ref32 = tensors.reference(name, traces, "float32")
+    if name == "pred_dur":
+        n = min(len(value), len(ref32))
+        diff = (value[:n] - ref32[:n]).abs()
+        differ = int((diff > 0).sum()) + abs(len(value) - len(ref32))
+        return {"tokens": len(ref32), "tokens_differ": differ, "max_frames_diff": int(diff.max()) if n else 0,
+                "frames": int(value.sum()), "frames_reference": int(ref32.sum()), "ok": differ == 0,
+                "why": f"{differ} of {len(ref32)} durations differ" if differ else "durations equal",
+                "kind": "durations"}
+    if tuple(value.shape) != tuple(ref32.shape):
+        return {"ok": False, "why": f"shape {list(value.shape)} != reference {list(ref32.shape)}",
+                "kind": "shape", "shape": list(value.shape)}
+    ref64 = tensors.reference(name, traces, "float64")
+    m = compare_to_floor(value, ref32, ref64)
+    m["kind"] = difference_kind(value, ref64)
+    t = tensors.VOCAB.get(name)
+    if t is not None and t.stochastic and stage.noise == "own":
+        m["ok"], m["why"] = True, "draws its own noise: judged by the noise band"
+        return m
+    m["ok"], m["why"] = comparator(tol)(m)
+    return m
+
+
+def difference_kind(out: torch.Tensor, ref: torch.Tensor) -> str:
+    """What a difference looks like: NaN, a constant gain (and its dB), a sign flip, a shift in
+    samples along the last axis, or noise-like (with its SNR)."""
+    o, r = out.double().reshape(-1, out.shape[-1]) if out.dim() else out.double().reshape(1, 1), \
+        ref.double().reshape(-1, ref.shape[-1]) if ref.dim() else ref.double().reshape(1, 1)
+    if not torch.isfinite(o).all():
+        return f"NaN/Inf ({int((~torch.isfinite(o)).sum())} values)"
+    rr = float((r * r).sum())
+    err = float(((o - r) ** 2).sum())
+    if rr == 0:
+        return "reference is zero"
+    if err <= 1e-12 * rr:
+        return "identical"
+    gain = float((o * r).sum()) / rr
+    resid_gain = float(((o - gain * r) ** 2).sum())
+    if resid_gain < 0.05 * err and abs(gain - 1) > 1e-3:
+        if gain < 0 and abs(abs(gain) - 1) < 0.05:
+            return "sign flip"
+        db = 20 * math.log10(abs(gain)) if gain else -math.inf
+        return f"constant gain x{gain:.4g} ({db:+.2f} dB)" + (" with a sign flip" if gain < 0 else "")
+    n = o.shape[-1]
+    best = (err, 0)
+    for s in range(-min(MAX_SHIFT, n - 1), min(MAX_SHIFT, n - 1) + 1):
+        if s == 0:
+            continue
+        a, b = (o[:, s:], r[:, :-s]) if s > 0 else (o[:, :s], r[:, -s:])
+        e = float(((a - b) ** 2).sum()) * n / max(n - abs(s), 1)
+        if e < best[0]:
+            best = (e, s)
+    if best[1] and best[0] < 0.05 * err:
+        return f"shift by {best[1]:+d} samples"
+    snr = 10 * math.log10(rr / err)
+    return f"noise-like (SNR {snr:.1f} dB)"
+
+
+def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, case) -> None:
+    """The verdict: every chained output of every stage, and the final audio (against the noise
+    band when its stage draws its own noise, else against the floor), plus the durations."""
+    from ..metrics.audio import audio_metrics, write_wav
+    from ..model import SAMPLE_RATE
+    from ..verdict import Verdict, audio_comparator, band_comparator
+    from .noise import DIRECTIONS, noise_band
+
+    last = port.stages[-1]
+    tol = session.profile.for_(last.precision if last.precision != "float32" else "port", item.backend, item.mode)
+    failures = []
+    for row in rec.stages:
+        for tensor, m in row["outputs"].items():
+            c = m["chained"]
+            rec.metrics[f"{row['stage']}:{tensor}"] = {k: v for k, v in c.items() if isinstance(v, (int, float))}
+            if tensor == "pred_dur":
+                rec.durations = {k: v for k, v in c.items() if isinstance(v, int) and not isinstance(v, bool)}
+            elif not c.get("ok", True):
+                failures.append(f"{row['stage']}:{tensor}: {c['why']}")
+    if "audio" in values:
+        audio = values["audio"]
+        ref = traces.chain["audio"][0].double().numpy()  # run 0 of the noise band
+        cand = audio.reshape(-1).double().numpy()
+        rec.audio_metrics["audio"] = {**audio_metrics(ref, cand), "duration_s": len(cand) / SAMPLE_RATE}
+        am = rec.audio_metrics["audio"]
+        if len(cand) != len(ref):
+            failures.append(f"audio: {len(cand)} samples, the reference has {len(ref)} "
+                            f"({(len(cand) - len(ref)) / 600:+.1f} frames)")
+        if last.noise == "own":
+            band = noise_band(session.model, case, traces, session_k(session))
+            check = band_comparator(tol)
+            for metric, direction in DIRECTIONS.items():
+                ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
+                rec.bands[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok,
+                                     "direction": direction, "why": why, "k": band["k"]}
+                if not ok:
+                    failures.append(f"audio: {why}")
+            zero = band["zero_noise_audio"][0]
+            if zero.shape[-1] == len(cand):
+                from ..metrics.tensor import error_metrics
+
+                z = error_metrics(torch.from_numpy(cand), zero.double())
+                rec.bands["zero_noise"] = {"rel_l2": z["rel_l2"], "snr_db": z["snr_db"],
+                                           "kind": difference_kind(torch.from_numpy(cand), zero.double()),
+                                           "why": "sample by sample against the reference with every noise input zero"}
+        else:
+            ok, why = audio_comparator(tol)(am)
+            if not ok:
+                failures.append(f"audio: {why}")
+        for role, wav in (("reference", ref), ("artifact", cand)):
+            path = session.report_dir / "audio" / item.id / f"{role}.wav"
+            write_wav(path, wav)
+            rec.audio[role] = path.relative_to(session.report_dir).as_posix()
+    if failures:
+        rec.verdict, rec.reason = Verdict.FAIL, "; ".join(failures)
+    else:
+        parts = [f"{k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v]
+        rec.verdict, rec.reason = Verdict.PASS, "; ".join(parts) or "every stage within its floor"
+
+
+def session_k(session) -> int:
+    from .noise import DEFAULT_K
+
+    return int(getattr(session, "noise_k", None) or DEFAULT_K)

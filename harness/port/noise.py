@@ -1,0 +1,74 @@
+"""The noise band: how far the vocoder's random noise alone moves each audio metric.
+
+Kokoro's SineGen and NSF source draw random numbers, so an artifact that draws its own noise (or
+none: the packaged whole-model ONNX adds none) cannot match the reference sample for sample, and a
+relative L2 on its waveform means nothing. The reference decoder is run K times on the reference's
+own inputs (exact lengths, the reference durations) with K noise seeds (`patches.sample_noise`,
+seed = case seed + k; k = 0 is the reference chain's audio), and every audio metric of run k
+against run 0 gives the spread that noise alone produces. An artifact's metric passes inside
+that band widened by the tolerance profile's `band_margin` (a fraction of the band's width) on
+the side that matters. A zero-noise run is kept as well: an artifact that adds no noise is then
+compared with it sample by sample (its error is the artifact's own).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..plumbing import cache
+from ..plumbing.files import atomic_write, content_key
+
+BAND_VERSION = 1
+DEFAULT_K = 16
+# metric -> the side that matters: a PESQ below the band fails, a PESQ above it does not.
+DIRECTIONS = {"pesq": "higher", "mcd_db": "lower", "logmel_mad_db": "lower", "logmel_corr": "higher",
+              "mrstft": "lower", "rms_ratio_db": "both"}
+
+
+def _decoder_audio(km, chain: dict, noise: dict) -> torch.Tensor:
+    from ..steps import get_step
+
+    step = get_step("decoder")
+    with torch.no_grad():
+        return step.module(km)(chain["asr"], chain["F0_pred"], chain["N_pred"], chain["s_dec"],
+                               noise["rand_ini"], noise["sine_noise"], noise["source_noise"])
+
+
+def noise_band(model, case, traces, k: int = DEFAULT_K) -> dict:
+    """{"metrics": {metric: [values of runs 1..K-1 vs run 0]}, "band": {metric: [lo, hi]},
+    "zero_noise_audio": the reference audio with every noise input zero, "k": K}; cached."""
+    key = content_key("noise-band", BAND_VERSION, model.digest, case.digest, torch.__version__, k)
+
+    def build(tmp):
+        from ..metrics.audio import audio_metrics
+        from ..model import SAMPLES_PER_FRAME
+        from ..patches import apply_patches, sample_noise
+        from ..reference import REFERENCE_PATCHES
+
+        km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+        chain = traces.chain
+        n = traces.valid.frames * SAMPLES_PER_FRAME
+        ref0 = chain["audio"][0].double().numpy()
+        values: dict[str, list[float]] = {m: [] for m in DIRECTIONS}
+        for i in range(1, k):
+            noise = sample_noise(case.seed + i, n)
+            audio = _decoder_audio(km, chain, noise)
+            m = audio_metrics(ref0, audio[0].double().numpy())
+            for name in DIRECTIONS:
+                values[name].append(float(m[name]))
+        zero = {name: torch.zeros_like(chain[name]) for name in ("rand_ini", "sine_noise", "source_noise")}
+        zero_audio = _decoder_audio(km, chain, zero)
+        out = {"metrics": values, "k": k, "zero_noise_audio": zero_audio,
+               "zero_noise_metrics": audio_metrics(ref0, zero_audio[0].double().numpy())}
+        atomic_write(tmp / "band.pt", lambda f: torch.save(out, f))
+
+    entry, _ = cache.get_or_build("noise_band", key, build)
+    out = torch.load(entry / "band.pt", weights_only=False)
+    out["band"] = {m: _range(v) for m, v in out["metrics"].items()}
+    return out
+
+
+def _range(values: list[float]) -> list[float]:
+    finite = [v for v in values if not math.isnan(v)]
+    return [min(finite), max(finite)] if finite else [math.nan, math.nan]

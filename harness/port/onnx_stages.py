@@ -1,0 +1,568 @@
+"""Localization inside a whole-model ONNX: intermediate values exposed as outputs, mapped to Kokoro's
+module paths, each judged chained and locally; a repro bundle for the first stage that leaves its
+tolerance.
+
+- *Mark*: like Polygraphy's `mark all`, the module outputs become graph outputs of a copy of the
+  ONNX. A node's module path comes from its name by the rules that rebuild the default model from
+  this very ONNX (`onnx_rebuild._node_path`: `/encoder/predictor/lstm/...` -> `predictor.lstm`); a
+  module's output is the tensor its nodes produce for a node outside it, the one whose size matches
+  the reference capture. A stage no node is named after is reported as not mapped.
+- *Reference*: Kokoro's own `forward_with_tokens` with forward hooks on the same module paths
+  (inputs and outputs), in float32 and float64 (the floor), with the noise the artifact uses: none
+  (every noise input zero) when the graph draws no random numbers, else the case's.
+- *Chained*: the marked run's value of each stage against the reference. *Local*: the stage's
+  subgraph (`onnx.utils.extract_model`) fed the reference's inputs of that module.
+- *Repro*: the extracted subgraph, its inputs, the expected output and a repro.py that imports only
+  numpy and onnxruntime (exit 1 reproduced, 0 fixed, 2 cannot run here).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# (module path, what it is). Deterministic unless the artifact draws its own noise from
+# decoder.generator.m_source on (then the audio band judges the end).
+STAGES = (
+    ("bert", "ALBERT"), ("bert_encoder", "bert_encoder"), ("predictor.text_encoder", "duration encoder"),
+    ("predictor.lstm", "duration LSTM"), ("predictor.duration_proj", "duration projection"),
+    ("text_encoder", "text encoder"), ("predictor.shared", "F0/N shared LSTM"),
+    ("predictor.F0_proj", "F0 curve"), ("predictor.N_proj", "energy curve"),
+    ("decoder.encode", "decoder encode block"), ("decoder.decode.3", "decoder last decode block"),
+    ("decoder.generator.m_source", "harmonic source (SineGen)"),
+    ("decoder.generator.conv_post", "vocoder conv_post"),
+    ("decoder.generator.istft", "tail: magnitude/phase -> inverse STFT -> audio"),
+)
+# Module paths of the ONNX export that the reference names otherwise: the export's `istft` holds
+# the generator's STFT of the harmonic source and the inverse STFT to the audio.
+REFERENCE_OF = {"decoder.generator.istft": "audio"}
+STOCHASTIC_FROM = "decoder.generator.m_source"
+RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def node_module(name: str) -> str | None:
+    from ..onnx_rebuild import _node_path
+
+    try:
+        path = _node_path(name)
+    except ValueError:
+        return None
+    return re.sub(r"_\d+(?=\.|$)", "", path)
+
+
+def draws_noise(model) -> bool:
+    return any(n.op_type in RANDOM_OPS for n in model.graph.node)
+
+
+def module_groups(model, paths) -> dict[str, dict]:
+    """module path -> {"nodes": indices, "outputs": candidate tensors, "inputs": external inputs}."""
+    graph = model.graph
+    consts = {i.name for i in graph.initializer}
+    producer = {}
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.node):
+        for o in n.output:
+            producer[o] = i
+        for x in n.input:
+            consumers.setdefault(x, []).append(i)
+    where = [node_module(n.name) for n in graph.node]
+    graph_outputs = {o.name for o in graph.output}
+    groups = {}
+    for path in paths:
+        members = {i for i, p in enumerate(where) if p is not None and (p == path or p.startswith(path + "."))}
+        if not members:
+            continue
+        changed = True
+        while changed:  # unnamed (fused) nodes fed only by this module belong to it
+            changed = False
+            for j, n in enumerate(graph.node):
+                if j in members or where[j] is not None or n.op_type == "DynamicQuantizeLinear":
+                    continue
+                srcs = [producer[x] for x in n.input if x and x not in consts and x in producer
+                        and graph.node[producer[x]].op_type != "Constant"]
+                if srcs and all(i in members for i in srcs):
+                    members.add(j)
+                    changed = True
+        changed = True
+        while changed:  # absorb the activation quantizers that feed only this module
+            changed = False
+            for i in list(members):
+                for x in graph.node[i].input:
+                    j = producer.get(x)
+                    if j is None or j in members:
+                        continue
+                    n = graph.node[j]
+                    if n.op_type == "DynamicQuantizeLinear" and all(
+                            c in members for o in n.output for c in consumers.get(o, [])):
+                        members.add(j)
+                        changed = True
+        outs, ins = [], []
+        for i in sorted(members):
+            for o in graph.node[i].output:
+                if o and (o in graph_outputs or any(c not in members for c in consumers.get(o, []))):
+                    outs.append(o)
+            for x in graph.node[i].input:
+                if x and x not in consts and producer.get(x) not in members and x not in ins:
+                    if x in producer and graph.node[producer[x]].op_type == "Constant":
+                        continue
+                    ins.append(x)
+        groups[path] = {"nodes": sorted(members), "outputs": outs, "inputs": ins}
+    return groups
+
+
+def durations_tensor(model) -> str | None:
+    """The rounded, clamped durations (Round then Clip/Max under /encoder): found by position."""
+    graph = model.graph
+    rounds = {n.output[0] for n in graph.node if n.op_type == "Round"}
+    for n in graph.node:
+        if n.op_type in ("Clip", "Max") and n.input and n.input[0] in rounds:
+            return n.output[0]
+    return None
+
+
+def marked_copy(src: Path, dest: Path, tensors: list[str]) -> Path:
+    """The ONNX with `tensors` added as graph outputs (types left to onnxruntime)."""
+    import onnx
+
+    model = onnx.load(str(src))
+    have = {o.name for o in model.graph.output}
+    for t in tensors:
+        if t not in have:
+            model.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+            have.add(t)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dest))
+    return dest
+
+
+def run_onnx(path: Path, feed: dict, outputs: list[str] | None = None) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    types = {i.name: i.type for i in sess.get_inputs()}
+    np_types = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+                "tensor(float16)": np.float16, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+    feed = {k: np.ascontiguousarray(np.asarray(v).astype(np_types.get(types[k], None) or np.asarray(v).dtype))
+            for k, v in feed.items() if k in types}
+    names = outputs or [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feed)))
+
+
+def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
+    """Job function (child process): mark, run, extract and run each stage locally."""
+    import numpy as np
+    import onnx
+
+    ref = torch.load(reference_path, weights_only=False)
+    out_dir = Path(out_dir)
+    model = onnx.load(artifact, load_external_data=False)
+    groups = module_groups(model, [p for p, _ in STAGES])
+    dur = durations_tensor(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    for g in groups.values():  # an activation quantizer: the float tensor before it is the boundary
+        unq = lambda x: (producer[x].input[0] if x in producer  # noqa: E731
+                         and producer[x].op_type == "DynamicQuantizeLinear" else x)
+        g["inputs"] = list(dict.fromkeys(unq(x) for x in g["inputs"]))
+        g["outputs"] = list(dict.fromkeys(unq(x) for x in g["outputs"]))
+    candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])] + ([dur] if dur else [])
+    marked = marked_copy(Path(artifact), out_dir / "marked.onnx", candidates)
+    feed = ref["feed"]
+    values = run_onnx(marked, feed)
+    audio_name = model.graph.output[0].name
+    unforced_audio = np.asarray(values[audio_name]).reshape(-1)
+    forced = False
+    source = Path(artifact)  # what each stage's subgraph is cut from
+    ref_dur = ref["fp32"]["pred_dur"].numpy().reshape(-1)
+    if dur is not None:
+        own = np.asarray(values[dur])
+        if own.size != ref_dur.size or (own.reshape(-1) != ref_dur).any():
+            # the artifact's durations differ: everything after them is compared with the
+            # reference's durations forced (the durations tensor becomes an input)
+            cut = force_input(marked, out_dir / "forced.onnx", dur, own.dtype)
+            feed = {**feed, dur: ref_dur.astype(own.dtype).reshape(own.shape)}
+            values = run_onnx(cut, feed)
+            values[dur] = own
+            forced = True
+            source = force_input(Path(artifact), out_dir / "forced.onnx", dur, own.dtype)
+    (out_dir / "marked.onnx").unlink()
+    rows: dict = {}
+    for path, what in STAGES:
+        if path not in groups:
+            rows[path] = {"what": what, "mapped": False, "why": "no ONNX node is named after this module"}
+            continue
+        want = ref["fp32"].get(path)
+        if want is None:
+            rows[path] = {"what": what, "mapped": False, "why": "the reference did not call this module"}
+            continue
+        g = groups[path]
+        match = [t for t in g["outputs"] if t in values and np.asarray(values[t]).size == want.numel()
+                 and np.issubdtype(np.asarray(values[t]).dtype, np.floating)]
+        if not match:
+            rows[path] = {"what": what, "mapped": False,
+                          "why": f"none of its {len(g['outputs'])} output tensors has the reference's size "
+                                 f"{list(want.shape)}"}
+            continue
+        # several tensors of that size: the module's output is the one nearest the reference
+        # (as a mapping rule only; the error of the one chosen is what gets judged)
+        tensor = min(match, key=lambda t: _rel(values[t], want))
+        rows[path] = {"what": what, "mapped": True, "tensor": tensor, "nodes": len(g["nodes"]),
+                      "candidates": len(match),
+                      "chained": _best_layout(values[tensor], want)}
+        # locally: the module's subgraph fed the reference's inputs of the module
+        if path == "decoder.generator.istft" and rows.get("decoder.generator.conv_post", {}).get("tensor"):
+            # the tail: everything from conv_post's output to the audio (exp, sin, inverse STFT)
+            g = {**g, "inputs": [rows["decoder.generator.conv_post"]["tensor"]]}
+        local = _local(source, g, tensor, {**ref, "feed": feed}, path, values, out_dir / "stages" / path)
+        rows[path].update(local)
+    if dur:
+        rows["pred_dur"] = {"what": "durations (Round, Clip)", "mapped": True, "tensor": dur,
+                            "chained": np.asarray(values[dur]).reshape(-1)}
+    rows["audio"] = {"what": "audio" + (" (reference durations forced)" if forced else ""), "mapped": True,
+                     "tensor": audio_name, "chained": np.asarray(values[audio_name]).reshape(-1),
+                     "unforced": unforced_audio}
+    torch.save(rows, out_dir / "stages.pt")
+    return {"mapped": [p for p, r in rows.items() if r.get("mapped")], "forced_durations": forced,
+            "unmapped": {p: r["why"] for p, r in rows.items() if not r.get("mapped")}}
+
+
+def force_input(src: Path, dest: Path, tensor: str, dtype) -> Path:
+    """A copy of the ONNX where `tensor` is a graph input: its producing node is removed."""
+    import onnx
+
+    model = onnx.load(str(src))
+    nodes = [n for n in model.graph.node if tensor not in n.output]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    model.graph.input.append(onnx.helper.make_tensor_value_info(tensor, elem, None))
+    onnx.save(model, str(dest))
+    return dest
+
+
+def _layouts(value, shape) -> list:
+    """`value` in the reference's layout: reshaped as it is, and each axis permutation of its
+    squeezed shape that gives the reference's (an LSTM's [T, B, C] against torch's [B, T, C])."""
+    import itertools
+
+    a = np.asarray(value)
+    out = [a.reshape(shape)]
+    sq, want = [d for d in a.shape if d != 1], [d for d in shape if d != 1]
+    if sorted(sq) == sorted(want) and len(sq) <= 4:
+        b = a.reshape(sq)
+        for perm in itertools.permutations(range(len(sq))):
+            if perm != tuple(range(len(sq))) and [sq[i] for i in perm] == want:
+                out.append(np.transpose(b, perm).reshape(shape))
+    return out
+
+
+def _rel(value, want: torch.Tensor) -> float:
+    b = want.double().numpy().reshape(-1)
+    best = math.inf
+    for a in _layouts(value, tuple(want.shape)):
+        a = a.astype(np.float64).reshape(-1)
+        if np.isfinite(a).all():
+            best = min(best, float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0)))
+    return best
+
+
+def _best_layout(value, want: torch.Tensor) -> np.ndarray:
+    return min(_layouts(value, tuple(want.shape)), key=lambda a: _rel(a, want)).astype(np.float32)
+
+
+def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, values: dict, where: Path) -> dict:
+    """Extract the module's subgraph and feed it the reference's inputs of the module (matched by
+    size); integer inputs (shapes, lengths) are the artifact's own values."""
+    import numpy as np
+    import onnx
+
+    args = list(ref["fp32_in"].get(path, []))
+    feed, used = {}, set()
+    for x in group["inputs"]:
+        own = values.get(x)
+        if x in ref["feed"]:
+            feed[x] = ref["feed"][x]
+            continue
+        fit = [i for i, a in enumerate(args) if i not in used and a.numel() == (np.asarray(own).size if own is not None
+                                                                                   else -1)]
+        if fit and own is not None and np.issubdtype(np.asarray(own).dtype, np.floating):
+            own_t = torch.from_numpy(np.asarray(own, dtype=np.float32))
+            # the reference input nearest the artifact's own value, in the artifact's layout
+            options = [(i, a) for i in fit for a in _layouts(args[i].float().numpy(), np.asarray(own).shape)]
+            i, value = min(options, key=lambda o: _rel(o[1], own_t))
+            used.add(i)
+            feed[x] = value.astype(np.asarray(own).dtype)
+        elif own is not None and not np.issubdtype(np.asarray(own).dtype, np.floating):
+            feed[x] = np.asarray(own)
+        else:
+            return {"local_error": f"input {x!r} matches none of the module's reference inputs"}
+    for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
+        feed.setdefault(k, v)
+    where.mkdir(parents=True, exist_ok=True)
+    sub = where / "stage.onnx"
+    try:
+        onnx.utils.extract_model(str(artifact), str(sub), list(feed), [tensor], check_model=False)
+        got = run_onnx(sub, feed, [tensor])[tensor]
+    except Exception as e:  # noqa: BLE001 - a stage that cannot be cut out is reported, not fatal
+        return {"local_error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    np.savez(where / "inputs.npz", **{k: np.asarray(v) for k, v in feed.items()})
+    want = ref["fp32"][path]
+    return {"local": _best_layout(got, want) if np.asarray(got).size == want.numel() else np.asarray(got),
+            "subgraph": str(sub), "inputs": list(feed)}
+
+
+# ---- the reference, captured where the ONNX is cut --------------------------------------------
+
+def reference_captures(model, traces, zero_noise: bool) -> dict:
+    """fp32 and fp64 module outputs (and fp32 inputs) of Kokoro's forward_with_tokens on the case."""
+    import copy
+
+    from ..patches import apply_patches, provide_noise, to_float64
+    from ..reference import REFERENCE_PATCHES
+    from .tensors import reference as tensor_ref
+
+    km32 = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+    km64 = to_float64(copy.deepcopy(km32))
+    chain = traces.chain
+    noise = {k: chain[k] for k in ("rand_ini", "sine_noise", "source_noise")}
+    if zero_noise:
+        noise = {k: torch.zeros_like(v) for k, v in noise.items()}
+    ids, ref_s = chain["input_ids"], tensor_ref("ref_s", traces)
+    out = {"feed": {"tokens": ids.numpy(), "style": ref_s.numpy(), "speed": chain["speed"].numpy()}}
+    for dtype, km in (("fp32", km32), ("fp64", km64)):
+        seen, seen_in, hooks = {}, {}, []
+        for path, _ in STAGES:
+            if path in REFERENCE_OF:
+                continue  # captured from another reference value below
+            mod = km.get_submodule(path)
+
+            def hook(m, args, o, path=path):
+                if path not in seen:
+                    first = o[0] if isinstance(o, (tuple, list)) else o
+                    seen[path] = first.detach()
+                    seen_in[path] = [a.detach() for a in args if isinstance(a, torch.Tensor)]
+            hooks.append(mod.register_forward_hook(hook))
+        cast = (lambda t: t.double()) if dtype == "fp64" else (lambda t: t)
+        default = torch.get_default_dtype()
+        try:  # kokoro allocates its alignment with torch.zeros (the default dtype)
+            torch.set_default_dtype(torch.float64 if dtype == "fp64" else torch.float32)
+            with torch.no_grad(), provide_noise({k: cast(v) for k, v in noise.items()}):
+                audio, pred_dur = km.forward_with_tokens(ids, cast(ref_s), float(chain["speed"]))
+        finally:
+            torch.set_default_dtype(default)
+            for h in hooks:
+                h.remove()
+        seen["audio"], seen["pred_dur"] = audio.detach(), pred_dur.detach()
+        seen["decoder.generator.istft"] = seen["audio"]
+        seen_in["decoder.generator.istft"] = [seen["decoder.generator.conv_post"], seen["decoder.generator.m_source"]]
+        out[dtype] = seen
+        if dtype == "fp32":
+            out["fp32_in"] = seen_in
+    return out
+
+
+def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log=print) -> dict:
+    """Run the localization of one whole-model ONNX on one case; fills `rec.bisect`."""
+    import onnx
+
+    from ..metrics.tensor import compare_to_floor
+    from ..plumbing.files import atomic_write
+    from ..plumbing.jobs import run_job
+    from ..verdict import comparator
+    from .chain import difference_kind
+
+    traces = session.traces(case_id)
+    noisy = draws_noise(onnx.load(str(artifact), load_external_data=False))
+    ref = reference_captures(session.model, traces, zero_noise=not noisy)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "reference.pt", lambda f: torch.save(ref, f))
+    log(f"localizing inside {artifact.name}: marking module outputs, extracting each stage ...")
+    result = run_job("harness.port.onnx_stages:localize_job",
+                     dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"), out_dir=str(run_dir)),
+                     run_dir / "job", session.limits.run_s * 2)
+    if not result.ok:
+        rec.bisect = {"error": f"localization failed: {result.error}"}
+        return rec.bisect
+    rows = torch.load(run_dir / "stages.pt", weights_only=False)
+    check = comparator(tol)
+    table, first = [], None
+    for path, row in rows.items():
+        entry = {"stage": path, "what": row["what"], "mapped": row.get("mapped", False)}
+        if not entry["mapped"]:
+            entry["why"] = row["why"]
+            table.append(entry)
+            continue
+        r32, r64 = ref["fp32"][path], ref["fp64"][path]
+        # chained, everything from the harmonic source on carries the source's phase (a long cumsum
+        # of F0) and the artifact's noise: the audio band judges it; locally (fed the reference's
+        # inputs) only an artifact's own noise makes a stage stochastic
+        after = _after_noise(path)
+        if path == "pred_dur":
+            got = torch.as_tensor(row["chained"]).long()
+            n = min(len(got), len(r32))
+            entry.update(tokens_differ=int((got[:n] != r32[:n]).sum()) + abs(len(got) - len(r32)),
+                         max_frames_diff=int((got[:n] - r32[:n]).abs().max()) if n else 0)
+            entry["ok"] = entry["tokens_differ"] == 0
+            table.append(entry)
+            continue
+        for role in ("chained", "local"):
+            value = row.get(role)
+            if value is None:
+                entry[f"{role}_error"] = row.get("local_error", "not run") if role == "local" else "not run"
+                continue
+            value = torch.as_tensor(value).reshape(-1)
+            a32, a64 = r32.reshape(-1).float(), r64.reshape(-1).double()
+            if value.numel() != a32.numel() or a64.numel() != a32.numel():
+                entry[f"{role}_error"] = (f"{value.numel()} values, the reference {a32.numel()} "
+                                          f"(durations differ upstream)")
+                continue
+            m = compare_to_floor(value, a32, a64)
+            ok, why = check(m)
+            stochastic = after and (role == "chained" or noisy)
+            entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok or stochastic,
+                           "why": why if not stochastic else "phase/noise dependent: the audio band judges it",
+                           "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1))}
+        local = entry.get("local") or {}
+        if local and not local["ok"] and first is None:
+            first = entry
+        table.append(entry)
+    rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), "noise": "draws its own" if noisy else "none drawn",
+                  "forced_durations": result.value.get("forced_durations", False),
+                  "stages": table, "unmapped": [e["stage"] for e in table if not e["mapped"]]}
+    audio_row = rows.get("audio") or {}
+    if audio_row.get("mapped") and rec.bisect["forced_durations"]:
+        rec.bisect["forced_audio"] = band_rows(session, case_id, traces, audio_row["chained"], tol)
+    if first is not None:
+        rec.bisect["first_stage"] = first["stage"]
+        sub = row_sub(rows, first["stage"])
+        if sub is not None:
+            rec.bisect["repro"] = write_repro(session.report_dir / "repro" / f"{case_id}-{artifact.stem}",
+                                              rows[first["stage"]], ref, first["stage"], tol)
+    for line in stage_lines(rec.bisect):
+        log(line)
+    return rec.bisect
+
+
+def band_rows(session, case_id: str, traces, audio, tol) -> dict:
+    """Audio metrics of `audio` (the reference durations forced) against the noise band."""
+    from ..metrics.audio import audio_metrics
+    from ..verdict import band_comparator
+    from .chain import session_k
+    from .noise import DIRECTIONS, noise_band
+
+    band = noise_band(session.model, session.cases[case_id], traces, session_k(session))
+    am = audio_metrics(traces.chain["audio"][0].double().numpy(), np.asarray(audio, dtype=np.float64).reshape(-1))
+    check = band_comparator(tol)
+    out = {}
+    for metric, direction in DIRECTIONS.items():
+        ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
+        out[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok, "why": why}
+    return out
+
+
+def _after_noise(path: str) -> bool:
+    order = [p for p, _ in STAGES] + ["audio"]
+    return path in order and order.index(path) >= order.index(STOCHASTIC_FROM)
+
+
+def row_sub(rows: dict, path: str):
+    return rows.get(path, {}).get("subgraph")
+
+
+def stage_lines(b: dict) -> list[str]:
+    from ..metrics import fmt
+
+    lines = [f"stages inside {Path(b['artifact']).name} (noise: {b['noise']}; "
+             + ("the artifact's durations differ: the stages after them ran with the reference's durations "
+                "forced)" if b.get("forced_durations") else "durations as the artifact computes them)") + ":"]
+    for e in b["stages"]:
+        if not e["mapped"]:
+            lines.append(f"  {e['stage']:<28} not mapped: {e['why']}")
+        elif e["stage"] == "pred_dur":
+            lines.append(f"  {'durations':<28} {e['tokens_differ']} tokens differ (max {e['max_frames_diff']} frames)")
+        else:
+            c, loc = e.get("chained") or {}, e.get("local") or {}
+            verdict = lambda m: "-" if not m else ("ok" if m["ok"] else "OVER")  # noqa: E731
+            lines.append(f"  {e['stage']:<28} floor {fmt(loc.get('floor_rel_l2') or c.get('floor_rel_l2')):>8}  "
+                         f"local {fmt(loc.get('rel_l2')):>8} {verdict(loc):<4} chained {fmt(c.get('rel_l2')):>8} "
+                         f"{verdict(c):<4} {loc.get('kind') or c.get('kind', '')}"
+                         + (f"; local not run: {e['local_error']}" if e.get("local_error") and not loc else "")
+                         + (f"; chained: {e['chained_error']}" if e.get("chained_error") else ""))
+    if b.get("forced_audio"):
+        lines.append("  audio with the reference durations forced, against the noise band: " + "; ".join(
+            v["why"] for v in b["forced_audio"].values()))
+    lines.append(f"first stage whose local error leaves its tolerance: {b.get('first_stage', 'none')}")
+    if b.get("unmapped"):
+        lines.append(f"could not be mapped: {', '.join(b['unmapped'])}")
+    if b.get("repro"):
+        lines.append(f"repro: {b['repro']}")
+    return lines
+
+
+# ---- repro bundle --------------------------------------------------------------------------------
+
+REPRO = '''"""Repro of one stage of an ONNX artifact: its subgraph fed the reference's inputs.
+Needs numpy and onnxruntime only. Exit 1: reproduced; 0: fixed; 2: cannot run here."""
+import json
+import sys
+from pathlib import Path
+
+here = Path(__file__).resolve().parent
+try:
+    import numpy as np
+    import onnxruntime as ort
+except ImportError as e:
+    print(f"cannot run here: {e}")
+    sys.exit(2)
+meta = json.loads((here / "meta.json").read_text())
+inputs = dict(np.load(here / "inputs.npz"))
+expected = np.load(here / "expected.npy").astype(np.float64)
+sess = ort.InferenceSession(str(here / "stage.onnx"), providers=["CPUExecutionProvider"])
+got = np.asarray(sess.run([meta["output"]], inputs)[0], dtype=np.float64).reshape(expected.shape)
+rel = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+print(f"stage {meta['stage']}: rel_l2 {rel:.3e} against the reference (tolerance {meta['tolerance']:.3e})")
+sys.exit(1 if not np.isfinite(rel) or rel > meta["tolerance"] else 0)
+'''
+
+
+def write_repro(out: Path, row: dict, ref: dict, path: str, tol) -> str:
+    import shutil
+
+    import numpy as np
+
+    from ..metrics.tensor import error_metrics
+
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(row["subgraph"])
+    shutil.copyfile(src, out / "stage.onnx")
+    shutil.copyfile(src.parent / "inputs.npz", out / "inputs.npz")
+    expected = ref["fp64"][path].double().numpy()
+    np.save(out / "expected.npy", expected)
+    floor = error_metrics(ref["fp32"][path], ref["fp64"][path])["rel_l2"]
+    tolerance = max(tol.rel_l2, tol.floor_multiplier * floor) if not math.isnan(floor) else tol.rel_l2
+    (out / "meta.json").write_text(json.dumps({"stage": path, "output": row["tensor"], "tolerance": tolerance}))
+    (out / "repro.py").write_text(REPRO)
+    return str(out)
+
+
+def localize_item(session, item, rec, log=print) -> None:
+    """`--bisect` on a port item: localize inside each ONNX stage of a whole-model port."""
+    from .chain import open_port
+
+    port = open_port(item.spec)
+    stage = port.stages[0]
+    path = stage.file_for(port.root)
+    if path.suffix.lower() != ".onnx" or len(port.stages) != 1:
+        rec.bisect = {"error": f"localization inside {path.name} needs a one-stage ONNX port (this is a "
+                               f"{path.suffix} artifact): judged whole"}
+        log(rec.bisect["error"])
+        return
+    tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
+    localize(session, path, item.case, rec, tol, session.report_dir / "runs" / item.id / "localize", log)
+    rec.write(session.report_dir / "records")

@@ -1,0 +1,312 @@
+"""`port.yaml`: a port as an ordered list of stages, each an artifact whose inputs and outputs are
+mapped to Kokoro tensors (harness/port/tensors.py). `load_port` validates the file whole before any
+work starts and raises ONE `PortError` naming the file, the stage and the field.
+
+    name: kokoro-int8
+    stages:
+      - name: whole
+        artifact: kokoro-v1.0.int8.onnx   # relative to this file; or synth_{frames}.onnx + buckets
+        precision: int8                   # optional: the profile's `step: int8` overrides apply
+        noise: own                        # own (draws its own or none) | inputs (noise is an input)
+        inputs:  {tokens: input_ids, style: ref_s, speed: speed}
+        outputs: {audio: audio}           # or {audio: {tensor: audio, dtype: int16}}
+
+The whole-model file (`--artifact e2e=PATH`) is a one-stage port built by `guess_port`;
+`--artifact STEP=PATH` a one-stage port whose boundaries are a step's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from . import tensors
+
+# What the case gives a port's first stage, and what the host glue derives between stages
+# (the harness's own reference code: steps.build_alignment, the matmuls of run_chain).
+CASE_TENSORS = ("input_ids", "input_lengths", "text_mask", "attention_mask", "ref_s", "s_pred", "s_dec",
+                "speed", *tensors.NOISE)
+HOST_GLUE = {"pred_dur": ("duration",), "aln": ("pred_dur",), "frame_lengths": ("pred_dur",),
+             "en": ("d", "aln"), "asr": ("t_en", "aln")}
+
+
+class PortError(ValueError):
+    """A port file (or an artifact's declared inputs and outputs) that cannot be run."""
+
+
+class TensorRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tensor: str
+    dtype: str | None = None  # the artifact's side, when it differs from the vocabulary's (float16, int32)
+
+    @field_validator("tensor")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if not tensors.known(v):
+            raise ValueError(f"unknown Kokoro tensor {v!r}; known: {', '.join(tensors.VOCAB)} or a module "
+                             f"path `module.path:out`")
+        return v
+
+
+def _ref(v):
+    return {"tensor": v} if isinstance(v, str) else v
+
+
+class StageSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    artifact: str
+    buckets: list[int] | None = None  # with `{frames}` (or `{tokens}`) in `artifact`
+    precision: Literal["float32", "float16", "int8"] = "float32"
+    noise: Literal["own", "inputs", "none"] = "own"
+    inputs: dict[str, TensorRef]
+    outputs: dict[str, TensorRef]
+
+    @field_validator("inputs", "outputs", mode="before")
+    @classmethod
+    def _refs(cls, v):
+        return {k: _ref(x) for k, x in (v or {}).items()}
+
+    def files(self, root: Path) -> list[Path]:
+        if self.buckets:
+            return [root / self.artifact.format(frames=b, tokens=b) for b in self.buckets]
+        return [root / self.artifact]
+
+    def file_for(self, root: Path, size: int | None = None) -> Path:
+        if not self.buckets:
+            return root / self.artifact
+        fits = [b for b in sorted(self.buckets) if size is not None and b >= size]
+        if not fits:
+            raise PortError(f"stage {self.name!r}, field 'buckets': {size} exceeds the largest bucket "
+                            f"{max(self.buckets)}")
+        return root / self.artifact.format(frames=fits[0], tokens=fits[0])
+
+
+class PortSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    stages: list[StageSpec] = Field(min_length=1)
+
+
+class Port:
+    """A validated port: its spec, the directory its artifact paths are relative to, its file."""
+
+    def __init__(self, spec: PortSpec, root: Path, source: str):
+        self.spec, self.root, self.source = spec, Path(root), source
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def stages(self) -> list[StageSpec]:
+        return self.spec.stages
+
+
+def _where(source: str, stage: str | None, field: str) -> str:
+    return f"port {source}" + (f", stage {stage!r}" if stage else "") + f", field {field!r}"
+
+
+def load_port(path: str | Path, describe_artifacts: bool = True) -> Port:
+    """Read and validate a port file whole; one PortError naming file, stage and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise PortError(f"port {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise PortError(f"port {path}: not valid YAML ({e})") from None
+    try:
+        spec = PortSpec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err["loc"]
+        stage = None
+        if len(loc) > 1 and loc[0] == "stages" and isinstance(loc[1], int):
+            stages = (data or {}).get("stages") or []
+            stage = stages[loc[1]].get("name", f"#{loc[1]}") if loc[1] < len(stages) and isinstance(
+                stages[loc[1]], dict) else f"#{loc[1]}"
+            loc = loc[2:]
+        field = ".".join(str(x) for x in loc if x != "tensor") or "(top)"
+        raise PortError(f"{_where(str(path), stage, field)}: {err['msg']}") from None
+    port = Port(spec, path.parent, str(path))
+    validate(port, describe_artifacts)
+    return port
+
+
+def validate(port: Port, describe_artifacts: bool = True) -> None:
+    """Files exist, the chain connects (the first stage takes any reference tensor: a port may
+    start anywhere in Kokoro; each later one what the case, the earlier stages or the host glue
+    give), and (with `describe_artifacts`) every declared input and
+    output of each artifact is mapped, with a rank and dtype family that agree with the vocabulary."""
+    available = set(CASE_TENSORS)
+    names = [s.name for s in port.stages]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise PortError(f"{_where(port.source, sorted(dup)[0], 'name')}: stage names must be unique")
+    for stage in port.stages:
+        for f in stage.files(port.root):
+            if not f.exists():
+                raise PortError(f"{_where(port.source, stage.name, 'artifact')}: {f} does not exist")
+        for io_name, ref in stage.inputs.items():
+            if stage is not port.stages[0] and not _producible(ref.tensor, available):
+                raise PortError(f"{_where(port.source, stage.name, f'inputs.{io_name}')}: {ref.tensor!r} is "
+                                f"neither given by the case nor produced by an earlier stage or the host glue "
+                                f"(the chain does not connect)")
+        available |= {r.tensor for r in stage.outputs.values()}
+        if describe_artifacts:
+            check_declared(port, stage)
+
+
+def _producible(name: str, available: set[str], depth: int = 0) -> bool:
+    if name in available:
+        return True
+    if depth > 4 or name not in HOST_GLUE:
+        return False
+    return all(_producible(n, available, depth + 1) for n in HOST_GLUE[name])
+
+
+def _family(dtype: str | None) -> str | None:
+    if dtype is None:
+        return None
+    return "float" if "float" in dtype else "bool" if dtype == "bool" else "int"
+
+
+def check_declared(port: Port, stage: StageSpec) -> None:
+    from ..backends.prebuilt import describe
+
+    for f in stage.files(port.root):
+        try:
+            ins, outs = describe(f)
+        except Exception as e:  # noqa: BLE001 - a corrupted file: one clear error naming it
+            raise PortError(f"{_where(port.source, stage.name, 'artifact')}: cannot read {f}: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        for side, declared, mapped in (("inputs", ins, stage.inputs), ("outputs", outs, stage.outputs)):
+            if declared is None:
+                continue
+            named = [p for p in declared if p.name is not None]
+            if len(named) != len(declared):  # unnamed (.pte): positional, counts must agree
+                if len(declared) != len(mapped):
+                    raise PortError(f"{_where(port.source, stage.name, side)}: {f.name} declares "
+                                    f"{len(declared)} {side}, the port maps {len(mapped)}")
+                continue
+            for p in declared:
+                if p.name not in mapped:
+                    raise PortError(f"{_where(port.source, stage.name, f'{side}.{p.name}')}: {f.name} declares "
+                                    f"{side[:-1]} {p.name!r} {_show(p)}, which the port does not map "
+                                    f"(expected: {', '.join(mapped) or 'none'})")
+            for io_name, ref in mapped.items():
+                p = next((q for q in declared if q.name == io_name), None)
+                if p is None:
+                    raise PortError(f"{_where(port.source, stage.name, f'{side}.{io_name}')}: {f.name} has no "
+                                    f"{side[:-1]} {io_name!r}; it declares {[q.name for q in declared]}")
+                check_fits(port, stage, side, io_name, ref, p, f)
+
+
+def _show(p) -> str:
+    return f"{p.dtype or '?'} {list(p.shape) if p.shape is not None else '[?]'}"
+
+
+def check_fits(port: Port, stage: StageSpec, side: str, io_name: str, ref: TensorRef, p, f: Path) -> None:
+    """Rank (the leading batch axis may be squeezed away) and dtype family against the vocabulary."""
+    t = tensors.VOCAB.get(ref.tensor)
+    if t is None:
+        return  # a module reference: checked against the capture when it runs
+    where = _where(port.source, stage.name, f"{side}.{io_name}")
+    rank = t.shape.count(",") + 1 if t.shape != "[]" else 0
+    if p.rank is not None and p.rank not in (rank, rank - 1, rank + 1):
+        raise PortError(f"{where}: {f.name} declares {side[:-1]} {io_name!r} {_show(p)} of rank {p.rank}; "
+                        f"Kokoro's {tensors.describe(t.name)} has rank {rank}")
+    want = _family(ref.dtype or t.dtype)
+    got = _family(p.dtype)
+    if got is not None and want is not None and got != want and not (t.name == "audio" and got == "int"):
+        raise PortError(f"{where}: {f.name} declares {side[:-1]} {io_name!r} {_show(p)}; Kokoro's "
+                        f"{tensors.describe(t.name)} is {want} (declare `dtype:` if the port converts it)")
+
+
+# ---- a port from artifacts alone (whole-model files, `port init`) ----------------------------
+
+def guess_mapping(ports, side: str, candidates=None) -> tuple[dict[str, str], list[str]]:
+    """{declared name: tensor} by name, else by rank and dtype; the names it could not place."""
+    mapping, unplaced = {}, []
+    for p in ports:
+        t = tensors.guess(p.name, p.rank, p.dtype, candidates)
+        if t is None:
+            t = _by_shape(p, side, candidates, set(mapping.values()))
+        if t is None:
+            unplaced.append(p.name)
+        else:
+            mapping[p.name] = t
+    return mapping, unplaced
+
+
+def _by_shape(p, side: str, candidates, taken: set[str]) -> str | None:
+    fam = _family(p.dtype)
+    shape = p.shape or ()
+    if side == "inputs":
+        if fam == "int" and p.rank in (1, 2) and "input_ids" not in taken:
+            return "input_ids"
+        if fam == "float" and shape and shape[-1] == 256 and "ref_s" not in taken:
+            return "ref_s"
+        if fam == "float" and p.rank in (0, 1) and "speed" not in taken:
+            return "speed"
+        return None
+    if fam == "float" and p.rank in (1, 2, 3) and "audio" not in taken:
+        return "audio"
+    if fam == "int" and p.rank in (1, 2) and "pred_dur" not in taken:
+        return "pred_dur"
+    return None
+
+
+def whole_model_port(artifact: str | Path) -> Port:
+    """The one-stage port of a whole-model artifact (tokens, style, speed in; audio, maybe
+    durations out), its mapping guessed from the declared names, ranks and dtypes; a declared
+    input or output that fits nothing is one clear error naming it and what was expected."""
+    from ..backends.prebuilt import describe, kind_of
+
+    artifact = Path(artifact).resolve()
+    source = f"(whole-model port of {artifact.name})"
+    if not artifact.exists():
+        raise PortError(f"{source}: {artifact} does not exist")
+    kind_of(artifact)
+    try:
+        ins, outs = describe(artifact)
+    except Exception as e:  # noqa: BLE001
+        raise PortError(f"{source}, field 'artifact': cannot read {artifact}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    expected = "tokens int64 [1, T] (pad id 0 at both ends), style float32 [1, 256], speed float32 [1]"
+    inputs, bad = guess_mapping(ins, "inputs", ("input_ids", "ref_s", "speed"))
+    if bad:
+        p = next(q for q in ins if q.name == bad[0])
+        raise PortError(f"{source}, field 'inputs.{p.name}': {artifact.name} declares input {p.name!r} "
+                        f"{_show(p)}, which is none of a whole model's inputs: {expected}")
+    outputs, bad = guess_mapping(outs or [], "outputs", ("audio", "pred_dur", "duration"))
+    if bad:
+        p = next(q for q in outs if q.name == bad[0])
+        raise PortError(f"{source}, field 'outputs.{p.name}': {artifact.name} declares output {p.name!r} "
+                        f"{_show(p)}, which is neither audio (float, rank 1-3) nor durations (int [T])")
+    if outs is not None and "audio" not in outputs.values():
+        raise PortError(f"{source}, field 'outputs': {artifact.name} has no audio output among "
+                        f"{[q.name for q in outs]}")
+    precision = "int8" if _is_int8(artifact) else "float32"
+    spec = PortSpec(name=artifact.stem.replace(".", "_"), stages=[StageSpec(
+        name="whole", artifact=str(artifact), precision=precision, inputs=inputs, outputs=outputs)])
+    port = Port(spec, artifact.parent, source)
+    for io_name, ref in spec.stages[0].inputs.items():
+        check_fits(port, spec.stages[0], "inputs", io_name, ref, next(q for q in ins if q.name == io_name), artifact)
+    for io_name, ref in spec.stages[0].outputs.items():
+        check_fits(port, spec.stages[0], "outputs", io_name, ref, next(q for q in outs if q.name == io_name), artifact)
+    return port
+
+
+def _is_int8(artifact: Path) -> bool:
+    """An ONNX with integer matmuls/convolutions (dynamic quantization) is an int8 artifact."""
+    if artifact.suffix.lower() != ".onnx":
+        return False
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(artifact), load_external_data=False).graph.node}
+    return bool(ops & {"MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
+                       "DynamicQuantizeLSTM"})

@@ -1,0 +1,648 @@
+"""Float16 judged by its own floor, and the float32 islands that make a float16 port sound right.
+
+- `Float16Mode` runs eager PyTorch in float16 the way `harness.backends.fp16` runs an exported
+  program (its `_to_dtype`: weights, constants *and* the float32 the code hard-codes become float16),
+  with module-level mixed precision: the modules of `keep` run in float32, their inputs cast up at
+  the module boundary and their outputs cast back down (what Core ML's `op_selector` and an
+  ANE/GPU port do with an op-level float32 island).
+- `float16_outputs` gives a step's outputs in float16 eager: the float16 floor of
+  `harness.reference.float16_outputs` is their error against float64.
+- `search` finds the smallest set of modules to keep in float32 so that the float16 run is
+  *shippable* (`harness.verdict.shippable`) on every selected case: the per-module error and range
+  audit ranks the candidates, a greedy pass adds the one of most measured benefit until every case
+  is shippable, and a pruning pass drops those no longer needed.
+- `write_keep_list` emits the result in the two forms porters use: a keep-list JSON (read by the
+  `fp16` and `coreml-fp16` backends through $KOKORO_PARITY_KEEP_FP32) and a standalone Python file
+  with a Core ML `op_selector` for `ct.transform.FP16ComputePrecision`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+KEEP_ENV = "KOKORO_PARITY_KEEP_FP32"  # a keep-list JSON: the fp16 / coreml-fp16 backends keep its modules in float32
+KEEP_SCHEMA = "kokoro-parity/keep-fp32/1"
+FLOOR_VERSION = 1  # bump when the float16 eager recipe changes: it invalidates cached float16 floors
+WIDE = (torch.float32, torch.float64)
+PREFIX = "kmodel."  # a step module's paths start with it; keep-lists and audits use the KModel's paths
+
+
+def _strip(path: str) -> str:
+    return path[len(PREFIX):] if path.startswith(PREFIX) else path
+
+
+def under(path: str, keep: Iterable[str]) -> bool:
+    """Whether module `path` is one of `keep` or inside one of them."""
+    return any(path == k or path.startswith(k + ".") for k in keep)
+
+
+# ---- eager float16 with float32 islands ------------------------------------------------------------
+
+def _inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in (
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "copy_")
+
+
+class Float16Mode(TorchFunctionMode):
+    """Every floating tensor that a torch function takes or makes is float16 while the mode is in a
+    float16 region, and float32 inside a kept module (`region`): dtype arguments float32 / float64
+    become float16 (arange(dtype=...), .to(torch.float32), .float()), as the fp16 backend's graph
+    rewrite does. An in-place op's target is never cast (the write must land).
+
+    `emulate=True` computes every op in float32 and rounds its result to float16 (overflow to inf
+    included): float16 storage with float32 arithmetic inside an op, which is what float16 convolution
+    kernels do (they accumulate in float32) and 10-20x faster than PyTorch's float16 CPU kernels.
+    An op with no float16 CPU kernel (MKL's FFT in TorchSTFT) is computed the same way."""
+
+    def __init__(self, dtype=torch.float16, emulate: bool = False):
+        super().__init__()
+        self.dtype, self.emulate = dtype, emulate
+        self.region = [dtype]
+
+    @property
+    def low(self) -> bool:
+        return self.region[-1] != torch.float32
+
+    def round(self, out):
+        """Float results as a float16 region stores them."""
+        def r(x):
+            if not isinstance(x, torch.Tensor) or x.dtype not in (*WIDE, self.dtype):
+                return x
+            return x.to(self.dtype).float() if self.emulate else x.to(self.dtype)
+        return tree_map(r, out)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        low = self.low
+        storage = torch.float32 if (self.emulate or not low) else self.dtype
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                if low and self.emulate and x.dtype != torch.float64:  # a float32 value read by float16 code
+                    return x.to(self.dtype).float()
+                if x.dtype != storage:
+                    return x.to(storage)
+            if isinstance(x, torch.dtype) and x in WIDE:
+                return storage
+            return x
+
+        if func in (torch.Tensor.float, torch.Tensor.double):
+            return self.round(args[0]) if low else args[0].float()
+        inplace = _inplace(func)
+        if inplace:
+            args = (args[0], *tree_map(cast, tuple(args[1:]))) if args else args
+        else:
+            args = tree_map(cast, tuple(args))
+        kwargs = {k: (v if k == "out" else tree_map(cast, v)) for k, v in kwargs.items()}
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            if not low or "Half" not in str(e) or inplace:
+                raise
+            up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype == self.dtype else x  # noqa: E731
+            out = func(*tree_map(up, args), **{k: tree_map(up, v) for k, v in kwargs.items()})
+        if low and inplace and self.emulate and isinstance(out, torch.Tensor) and out.dtype in WIDE:
+            with torch.no_grad():
+                out.copy_(out.to(self.dtype))
+            return out
+        return self.round(out) if low and not inplace else out
+
+
+def _cast_module(module: torch.nn.Module, dtype) -> None:
+    """Parameters, buffers and plain tensor attributes (TorchSTFT's window) to `dtype`."""
+    module.to(dtype)
+    for m in module.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not isinstance(value, torch.nn.Parameter):
+                setattr(m, name, value.to(dtype))
+
+
+class Mixed:
+    """A copy of `module` in float16 with the submodules of `keep` (paths relative to the KModel,
+    i.e. without the step's `kmodel.`) in float32. Call it with float32 inputs; it returns float32
+    outputs computed in mixed precision."""
+
+    def __init__(self, module: torch.nn.Module, keep: Iterable[str] = (), dtype=torch.float16, emulate: bool = False):
+        self.module = copy.deepcopy(module)
+        self.keep = sorted(set(keep))
+        self.mode = Float16Mode(dtype, emulate)
+        _cast_module(self.module, dtype)
+        if emulate:  # float16 weights, stored as float32
+            _cast_module(self.module, torch.float32)
+        found = set()
+        for path, sub in self.module.named_modules():
+            p = _strip(path)
+            if p in self.keep:
+                found.add(p)
+                _cast_module(sub, torch.float32)
+                self._wrap(sub)
+        missing = [k for k in self.keep if k not in found]
+        if missing:
+            raise KeyError(f"keep-list: no module {', '.join(missing)} in this step")
+
+    def _wrap(self, sub: torch.nn.Module) -> None:
+        forward, mode = sub.forward, self.mode
+
+        def island(*args, **kwargs):
+            mode.region.append(torch.float32)
+            try:
+                out = forward(*args, **kwargs)
+            finally:
+                mode.region.pop()
+            return mode.round(out) if mode.low else out  # cast back at the island's boundary
+
+        sub.forward = island
+
+    def __call__(self, *inputs):
+        with torch.no_grad(), self.mode:
+            out = self.module(*inputs)
+        return tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, out)
+
+
+def float16_outputs(step, km: torch.nn.Module, inputs: dict[str, torch.Tensor], keep: Iterable[str] = (),
+                    emulate: bool = True) -> dict:
+    """`step` (harness.steps.Step) of `km` in float16 eager (with `keep` in float32) on float32
+    `inputs`: {output name: float32 tensor}."""
+    from .reference import as_outputs
+
+    return as_outputs(step, Mixed(step.module(km), keep, emulate=emulate)(*inputs.values()))
+
+
+# ---- the per-module audit -------------------------------------------------------------------------
+
+FP16_MAX = 65504.0
+
+
+def module_audit(module: torch.nn.Module, inputs: list, depth: int = 4, dtype=torch.float16,
+                 emulate: bool = True) -> list[dict]:
+    """Per submodule (up to `depth` levels below the KModel): its largest float32 activation against
+    float16's 65,504, and its *local* float16 error: the module alone in float16 on its exact float32
+    inputs, against its float32 output (relative L2; inf when float16 is non-finite); and its
+    `producers`, the modules whose outputs (or views of them) it reads. Sorted worst first."""
+    rows: dict[str, dict] = {}
+    hooks = []
+    made: dict[int, str] = {}  # storage of a module's output -> the first module that made it
+    keep_alive = []  # outputs kept referenced, so that no storage is reused within the audit
+
+    def storages(obj) -> set[int]:
+        found = set()
+        tree_map(lambda x: found.add(x.untyped_storage().data_ptr())
+                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() else None, obj)
+        return found
+
+    def rel(a, b) -> float:
+        a, b = a.double(), b.double()
+        if not torch.isfinite(a).all():
+            return math.inf
+        n = float(b.norm())
+        return float((a - b).norm()) / n if n else float((a - b).norm() != 0)
+
+    for path, sub in module.named_modules():
+        p = _strip(path)
+        if not path or path == "kmodel" or p.count(".") >= depth:
+            continue
+
+        def hook(m, args, kwargs, out, p=p):
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if p in rows or not isinstance(first, torch.Tensor) or not first.is_floating_point():
+                return
+            peak = float(first.detach().abs().max()) if first.numel() else 0.0
+            row = {"module": p, "type": type(m).__name__, "max_abs_fp32": peak, "of_fp16_max": peak / FP16_MAX,
+                   "params": sum(q.numel() for q in m.parameters())}
+            try:
+                half = Mixed(_detached(m), dtype=dtype, emulate=emulate)
+                local = half(*args, **kwargs)
+                lfirst = local[0] if isinstance(local, (tuple, list)) else local
+                row["local_rel_l2"] = rel(lfirst, first)
+            except Exception as e:  # noqa: BLE001 - a module that cannot run alone is still listed
+                row["local_rel_l2"], row["local_error"] = math.nan, f"{type(e).__name__}: {e}"[:160]
+            row["producers"] = sorted({made[s] for s in storages((args, kwargs)) if s in made} - {p})
+            for s in storages(out):
+                made.setdefault(s, p)
+            keep_alive.append(out)
+            rows[p] = row
+
+        hooks.append(sub.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    key = lambda r: (-(r["local_rel_l2"] if not math.isnan(r["local_rel_l2"]) else -1), -r["of_fp16_max"])  # noqa: E731
+    return sorted(rows.values(), key=key)
+
+
+def _detached(m: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a submodule without the audit's hooks."""
+    c = copy.deepcopy(m)
+    for s in c.modules():
+        s._forward_hooks.clear()
+        s._forward_hooks_with_kwargs.clear() if hasattr(s, "_forward_hooks_with_kwargs") else None
+    return c
+
+
+# ---- the forms a keep-list takes in a backend -----------------------------------------------------
+
+def read_keep_list(path: str | Path | None = None) -> list[str]:
+    """The module paths of a keep-list JSON ($KOKORO_PARITY_KEEP_FP32 when `path` is None); [] when
+    neither is set. A bad file is a ValueError naming it."""
+    import os
+
+    path = path or os.environ.get(KEEP_ENV)
+    if not path:
+        return []
+    try:
+        data = json.loads(Path(path).read_text())
+        keep = data["keep_fp32"] if isinstance(data, dict) else data
+        if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
+            raise TypeError("field 'keep_fp32' must be a list of module paths")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"keep-list {path} (${KEEP_ENV}): {type(e).__name__}: {e}") from None
+    return sorted(set(keep))
+
+
+def keep_tag(keep: list[str]) -> str:
+    """Part of a backend's `version()` (so of its artifact key) when it keeps modules in float32."""
+    from .plumbing.files import content_key
+
+    return f";keep-fp32={content_key('keep', *keep)[:12]}" if keep else ""
+
+
+def node_module_path(node) -> str:
+    """The module path of an FX node of an exported step (`decoder.generator.m_source`), from its
+    `nn_module_stack`; `<top>` for the step's own code."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "<top>"
+    path = ""
+    for entry, _ in stack.values():  # an entry may be relative to its parent (patched forwards)
+        path = entry if not path or entry.startswith(path) else f"{path}.{entry}"
+    path = path.removeprefix("L['self'].")
+    return (path[len("kmodel."):] if path.startswith("kmodel.") else path) or "<top>"
+
+
+def op_selector_for(exported_program, keep: list[str]):
+    """A Core ML `op_selector` for `ct.transform.FP16ComputePrecision` that keeps in float32 the MIL
+    ops converted from nodes inside the `keep` modules. It tags every node with a debug handle
+    (coremltools carries `debug_handle` into the op's EXIR_DEBUG_HANDLE scope), so convert *this*
+    program object. Returns (op_selector, number of nodes kept)."""
+    from coremltools.converters.mil.mil.scope import ScopeSource
+
+    kept = set()
+    for i, node in enumerate(exported_program.graph.nodes, start=1):
+        node.meta["debug_handle"] = i
+        if node.op == "call_function" and any(
+                node_module_path(node) == k or node_module_path(node).startswith(k + ".") for k in keep):
+            kept.add(i)
+
+    def op_selector(op) -> bool:
+        """True: the op is cast to float16; False: it stays in float32."""
+        handles = op.scopes.get(ScopeSource.EXIR_DEBUG_HANDLE, []) if hasattr(op, "scopes") else []
+        return not any(h in kept for h in handles if h is not None)
+
+    return op_selector, len(kept)
+
+
+def keep_float32_graph(gm16, gm32, keep: list[str]):
+    """The fp16 backend's graph (`gm16`, all float16) with the nodes inside `keep` computing in
+    float32: their float inputs cast up (their weights taken from the float32 `gm32`), the dtypes
+    they hard-code restored, and their float outputs cast down where a float16 node reads them."""
+    import torch.fx
+
+    def kept_node(n) -> bool:
+        return n.op == "call_function" and under(node_module_path(n), keep)
+
+    def is_float(n) -> bool:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.is_floating_point()
+        if n.op == "get_attr":
+            return isinstance(v := _attr(gm32, n.target), torch.Tensor) and v.is_floating_point()
+        return False
+
+    g = gm16.graph
+    originals = {n.name: n for n in gm32.graph.nodes}
+    kept = {n for n in g.nodes if kept_node(n)}
+    up_attrs: dict[str, torch.fx.Node] = {}
+    casts: dict[tuple[str, Any], torch.fx.Node] = {}
+
+    def cast(a, n, dtype):
+        key = (a.name, dtype)
+        if key not in casts:
+            with g.inserting_after(a):
+                casts[key] = g.call_function(torch.ops.aten._to_copy.default, (a,), {"dtype": dtype})
+        n.replace_input_with(a, casts[key])
+
+    for n in list(g.nodes):
+        if n in kept:
+            o = originals.get(n.name)
+            if o is not None:  # the dtypes of the original (float32) node
+                n.args = tuple(oa if isinstance(oa, torch.dtype) else a for a, oa in zip(n.args, o.args))
+                if "dtype" in o.kwargs:
+                    n.kwargs = {**n.kwargs, "dtype": o.kwargs["dtype"]}
+            for a in list(n.all_input_nodes):
+                if a in kept or not is_float(a):
+                    continue
+                if a.op == "get_attr":  # its float32 weights, not the float16 ones cast back
+                    if a.target not in up_attrs:
+                        name = a.target.replace(".", "_") + "_fp32"
+                        setattr(gm16, name, _attr(gm32, a.target))
+                        with g.inserting_after(a):
+                            up_attrs[a.target] = g.get_attr(name)
+                    n.replace_input_with(a, up_attrs[a.target])
+                else:
+                    cast(a, n, torch.float32)
+        elif n.op != "output":
+            for a in list(n.all_input_nodes):
+                if a in kept and is_float(a):
+                    cast(a, n, torch.float16)
+    g.lint()
+    gm16.recompile()
+    return gm16
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- the search ---------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """One case's step, as the search runs it: the float32 step module (the reference's patches and
+    the backend's semantics-changing ones), its float32 inputs and the float64 reference outputs."""
+
+    case: str
+    step: Any  # harness.steps.Step
+    module: torch.nn.Module
+    inputs: list
+    fp64: dict[str, torch.Tensor]
+    valid: Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynamic",
+                patches: Iterable[str] | None = None) -> list[Target]:
+    """The search's targets: one per case, with the patches of the `fp16` backend's programs."""
+    from .backends.fp16 import Fp16Backend
+    from .cases import load_cases
+    from .patches import affecting, apply_patches
+    from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, load_traces, references_for
+    from .steps import get_step
+
+    s = get_step(step)
+    patches = tuple(Fp16Backend.patches if patches is None else patches)
+    out = []
+    for case in load_cases(only=case_ids):
+        traces = load_traces(model, case)
+        refs = references_for(model, case, traces, step, mode, patches)
+        variant = affecting([p for p in patches if p not in REFERENCE_PATCHES[mode] and p not in NEUTRAL_PATCHES], step)
+        km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
+        out.append(Target(case.id, s, s.module(km), list(traces.inputs(step, mode, "float32").values()), refs.fp64,
+                          lambda name, t, traces=traces: traces.valid_region(step, name, t)))
+    return out
+
+
+@dataclass
+class Evaluation:
+    case: str
+    keep: list[str]
+    shippable: bool | None
+    why: str
+    badness: float  # 0 when shippable; how far from the bars otherwise (the search minimizes it)
+    metrics: dict[str, dict[str, float]]  # per output: rel_l2, nan_rate, and the audio bars' metrics
+    seconds: float
+
+
+AUDIO_KEYS = ("pesq", "mcd_db", "rms_ratio_db")
+
+
+def evaluate(target: Target, keep: Iterable[str], tol, emulate: bool = True) -> Evaluation:
+    """Run the target's step in float16 with `keep` in float32 and judge it by the shippable bar."""
+    from .metrics.audio import audio_metrics
+    from .metrics.tensor import error_metrics
+    from .reference import as_outputs
+    from .verdict import shippable
+
+    start = time.perf_counter()
+    keep = sorted(keep)
+    outs = as_outputs(target.step, Mixed(target.module, keep, emulate=emulate)(*target.inputs))
+    metrics, audio, durations = {}, {}, {}
+    for spec in target.step.outputs:
+        n = spec.name
+        o, r = target.valid(n, outs[n]), target.valid(n, target.fp64[n])
+        e = error_metrics(o, r)
+        metrics[n] = {"rel_l2": e["rel_l2"], "nan_rate": e["nan_rate"]}
+        if "samples" in spec.axes.values():
+            a = audio_metrics(r[0].double().numpy(), o[0].double().numpy())
+            audio[n] = a
+            metrics[n].update({k: a[k] for k in AUDIO_KEYS})
+        if n == "duration":
+            durations[n] = (o, r)
+    ok, why = shippable(tol, audio, durations)
+    bad = 0.0
+    for a in audio.values():
+        if a.get("nan_rate") or a.get("inf_rate") or math.isnan(a["pesq"]) or math.isnan(a["mcd_db"]):
+            bad += 100.0
+            continue
+        bad += (max(0.0, tol.min_pesq - a["pesq"]) + max(0.0, a["mcd_db"] - tol.max_mcd_db)
+                + max(0.0, abs(a["rms_ratio_db"]) - tol.max_level_db))
+    for o, r in durations.values():
+        o = o.double()
+        if not torch.isfinite(o).all():
+            bad += 100.0
+            continue
+        rr = lambda x: torch.round(x).clamp(min=1)  # noqa: E731
+        bad += float((rr(o) != rr(r.double())).sum())
+    if ok is None:  # no audio, no duration: not a search this tool can do
+        raise ValueError(f"step {target.step.name!r} has no audio or duration output: nothing to judge as shippable "
+                         f"(use decoder, generator or duration)")
+    return Evaluation(target.case, keep, ok, why, 0.0 if ok else bad, metrics, round(time.perf_counter() - start, 1))
+
+
+def candidates(audit: list[dict], root: str) -> list[str]:
+    """Modules worth trying, worst local float16 error first: not the step itself, not a module
+    whose error one of its descendants already explains (>= half of it), not an exact one."""
+    rows = [r for r in audit if r["module"] != root and r["local_rel_l2"] > 0]
+    out = []
+    for r in rows:
+        own = r["local_rel_l2"]
+        explained = any(d["module"].startswith(r["module"] + ".") and d["local_rel_l2"] >= 0.5 * own for d in rows)
+        if not explained:
+            out.append(r["module"])
+    return out
+
+
+def _normalize(keep: Iterable[str]) -> list[str]:
+    """Drop modules inside another kept one."""
+    keep = sorted(set(keep))
+    return [k for k in keep if not any(k != o and k.startswith(o + ".") for o in keep)]
+
+
+@dataclass
+class SearchResult:
+    step: str
+    cases: list[str]
+    keep: list[str]
+    reached: bool  # shippable on every case with `keep`
+    before: list[Evaluation]
+    after: list[Evaluation]
+    audit: list[dict]
+    rounds: list[dict] = field(default_factory=list)
+    share: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    emulate: bool = True
+
+
+def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size: int = 8, emulate: bool = True,
+           log: Callable[[str], None] = lambda s: None) -> SearchResult:
+    """The smallest set of modules to keep in float32 so that every target is shippable: the audit
+    ranks the candidates (module alone in float16, local error), a greedy pass adds the candidate of
+    most measured benefit (the one that lowers the worst case's distance to the bars most; top_k
+    tried per round), then a pruning pass drops every module the set no longer needs."""
+    start = time.perf_counter()
+    step = targets[0].step
+
+    def run_all(keep, stop_on_fail: bool = False):
+        evs = []
+        for t in targets:
+            e = evaluate(t, keep, tol, emulate)
+            evs.append(e)
+            log(f"  {e.case}: keep {e.keep or '-'}: {'SHIPPABLE' if e.shippable else 'not shippable'} "
+                f"({e.why}) [{e.seconds} s]")
+            if stop_on_fail and not e.shippable:
+                break
+        return evs
+
+    log(f"float16 everywhere, {len(targets)} case(s):")
+    before = current = run_all([])
+    log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({targets[0].case})")
+    audit = module_audit(targets[0].module, targets[0].inputs, depth, emulate=emulate)
+    root = step.module_path
+    ranked = candidates(audit, root)
+    log("  candidates: " + ", ".join(ranked[:top_k * 3]))
+    keep: list[str] = []
+    rounds = []
+    while not all(e.shippable for e in current) and len(keep) < max_size:
+        worst = max(range(len(targets)), key=lambda i: current[i].badness)
+        # the modules that feed a kept one first: an island's input arrives rounded to float16 otherwise
+        # (SineGen integrates its F0: a float16 F0 is a frequency error that the phase accumulates)
+        by_module = {r["module"]: r for r in audit}
+        feeding = [p for k in keep for p in by_module.get(k, {}).get("producers", [])
+                   if not under(p, keep) and not any(k.startswith(p + ".") for k in keep) and p != root]
+        options = list(dict.fromkeys([*feeding, *(c for c in ranked if not under(c, keep))]))[:top_k]
+        if not options:
+            log("  no candidate left")
+            break
+        log(f"round {len(rounds) + 1}: on {targets[worst].case} (distance {current[worst].badness:.3f}), trying "
+            + ", ".join(options))
+        tried = {}
+        for c in options:
+            e = evaluate(targets[worst], _normalize([*keep, c]), tol, emulate)
+            tried[c] = e
+            log(f"  + {c}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
+        best = min(tried, key=lambda c: tried[c].badness)
+        rounds.append({"case": targets[worst].case, "tried": {c: e.badness for c, e in tried.items()}, "chosen": best})
+        if tried[best].badness >= current[worst].badness - 1e-6:
+            log("  no candidate lowers the distance: stop")
+            break
+        keep = _normalize([*keep, best])
+        ranked = [c for c in ranked if c != best]
+        log(f"  keep {best}")
+        current = run_all(keep)
+    if all(e.shippable for e in current) and len(keep) > 1:
+        log("pruning:")
+        for k in list(keep):
+            trial = [x for x in keep if x != k]
+            evs = run_all(trial, stop_on_fail=True)
+            if len(evs) == len(targets) and all(e.shippable for e in evs):
+                keep, current = trial, evs
+                log(f"  dropped {k}: not needed")
+    result = SearchResult(step.name, [t.case for t in targets], keep, all(e.shippable for e in current), before,
+                          current, audit, rounds, emulate=emulate)
+    result.share = share_of(targets[0], keep)
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
+
+
+def share_of(target: Target, keep: list[str]) -> dict[str, Any]:
+    """The kept modules' share of the step's parameters and of its FLOPs (torch.utils.flop_counter:
+    matmuls and convolutions, on the target's inputs in float32)."""
+    params = dict(target.module.named_parameters())
+    total_p = sum(p.numel() for p in params.values())
+    kept_p = sum(p.numel() for n, p in params.items() if under(_strip(n.rsplit(".", 1)[0]), keep))
+    out: dict[str, Any] = {"params": kept_p, "params_total": total_p, "params_share": kept_p / total_p if total_p else 0.0}
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            target.module(*target.inputs)
+        counts = counter.get_flop_counts()
+        total = sum(counts.get("Global", {}).values())
+        kept = 0
+        for name, ops in counts.items():
+            path = name.split(".", 1)[1] if "." in name else ""
+            if _strip(path) in keep:
+                kept += sum(ops.values())
+        out.update(flops=kept, flops_total=total, flops_share=kept / total if total else 0.0)
+    except Exception as e:  # noqa: BLE001 - the FLOP count is a nicety; parameters are always there
+        out["flops_error"] = f"{type(e).__name__}: {e}"[:160]
+    return out
+
+
+# ---- emitting the result ------------------------------------------------------------------------
+
+OP_SELECTOR_HEADER = '''"""Core ML float32 islands for Kokoro's {step} (kokoro-parity precision, {date}).
+
+Keep these modules in float32 and the rest in float16 with coremltools' FP16ComputePrecision:
+
+    import coremltools as ct
+    from keep_fp32_op_selector import KEEP_FP32, op_selector_for
+
+    program = ...  # the torch.export program of the step (module paths as in KModel: decoder.generator...)
+    selector, n_kept = op_selector_for(program, KEEP_FP32)
+    mlmodel = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
+                         compute_precision=ct.transform.FP16ComputePrecision(op_selector=selector))
+
+`op_selector_for` tags each FX node with a debug handle, which coremltools carries into each MIL op's
+EXIR_DEBUG_HANDLE scope; an op from a node inside a kept module stays float32.
+"""
+KEEP_FP32 = {keep!r}
+
+
+'''
+
+
+def write_keep_list(result: SearchResult, out_dir: Path) -> dict[str, Path]:
+    """The keep-list JSON (for $KOKORO_PARITY_KEEP_FP32: the fp16 and coreml-fp16 backends) and a
+    standalone Core ML op_selector file."""
+    import inspect
+
+    from .plumbing.files import atomic_write_json, atomic_write_text
+
+    out_dir = Path(out_dir)
+    data = {"schema": KEEP_SCHEMA, "step": result.step, "cases": result.cases, "keep_fp32": result.keep,
+            "reached": result.reached, "share": result.share, "emulated_float16": result.emulate,
+            "before": [e.__dict__ for e in result.before], "after": [e.__dict__ for e in result.after]}
+    paths = {"keep_list": out_dir / f"keep_fp32-{result.step}.json",
+             "op_selector": out_dir / f"keep_fp32_op_selector-{result.step}.py"}
+    atomic_write_json(paths["keep_list"], data)
+    src = (OP_SELECTOR_HEADER.format(step=result.step, date=time.strftime("%Y-%m-%d"), keep=result.keep)
+           + inspect.getsource(node_module_path) + "\n\n" + inspect.getsource(op_selector_for))
+    atomic_write_text(paths["op_selector"], src)
+    return paths

@@ -1,0 +1,807 @@
+"""Upstream repro bundles: one directory per runtime defect the matrix found, for a bug report.
+
+Each bundle under docs/upstream/<runtime>-<short-name>/ is built from a minimal program (a few-op
+module that reproduces the defect, written after the Kokoro source line where the matrix met it)
+and holds `program.pt2` (torch.export), `inputs.pt`, the float64 `expected.pt`, `repro.py`,
+`ENV.md` and `REPORT.md` (written as the runtime's issue template asks). `repro.py` imports only
+torch, numpy and the runtime's own package, and exits
+
+- 1 while the defect reproduces (the converter's error carries the defect's signature; the op
+  stays outside the delegate; float16 turns the output non-finite),
+- 0 once it is fixed (converts and, where it can run here, matches the float64 expected output),
+- 2 when it cannot run here (the runtime's package is not installed),
+- 3 when it fails differently (the signature is gone but something else breaks: read it).
+
+`kokoro-parity upstream` (`make upstream`) regenerates every bundle, runs each repro.py in a fresh
+interpreter that cannot import kokoro or this harness, rewrites docs/upstream/README.md with the
+status on the installed versions, and fails when a defect does not reproduce. `check_bundles`
+(the nightly re-check) only runs the existing bundles' repro.py.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPRODUCED, FIXED, CANNOT_RUN, CHANGED = 1, 0, 2, 3
+STATUS = {REPRODUCED: "reproduces", FIXED: "fixed", CANNOT_RUN: "cannot run here", CHANGED: "changed"}
+BLOCKED = ("kokoro", "harness", "misaki")  # what a bundle must run without
+SEARCHED = "2026-11-23"  # when the trackers were searched for known reports (the `search` tool, corpus issues)
+# the checks below run inside repro.py, which defines these two for them
+SIGNATURE = ""
+HERE = Path(".")
+
+
+def default_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "docs" / "upstream"
+
+
+# ---- the minimal programs ---------------------------------------------------------------------
+# Each stands for one spot of Kokoro (or of the ALBERT it runs) where the matrix met the defect.
+
+class AlbertPositions(nn.Module):
+    """ALBERT's embeddings: `self.position_ids[:, :seq_length]` with seq_length the whole table."""
+
+    def __init__(self, positions: int = 16, dim: int = 8):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(positions).expand((1, -1)), persistent=False)
+        self.word = nn.Embedding(32, dim)
+        self.position = nn.Embedding(positions, dim)
+
+    def forward(self, input_ids):
+        position_ids = self.position_ids[:, :input_ids.shape[1]]  # the whole table: an identity aten.alias
+        return self.word(input_ids) + self.position(position_ids)
+
+
+class MaskAnd(nn.Module):
+    """Two boolean masks joined with `&` (aten.__and__): CustomSTFT's phase correction mask."""
+
+    def forward(self, real, imag):
+        correction_mask = (imag == 0) & (real < 0)
+        return torch.where(correction_mask, torch.full_like(real, torch.pi), torch.atan2(imag, real))
+
+
+class NewOnes(nn.Module):
+    """`x.new_ones(shape)` (transformers' mask construction for ALBERT)."""
+
+    def forward(self, x):
+        return x * x.new_ones(x.shape)
+
+
+class RsqrtIntConstant(nn.Module):
+    """AdainResBlk1d's `(out + shortcut) * torch.rsqrt(torch.tensor(2))`: rsqrt of an int64 constant."""
+
+    def forward(self, out, shortcut):
+        return (out + shortcut) * torch.rsqrt(torch.tensor(2))
+
+
+class BiLSTM(nn.Module):
+    """Kokoro's LSTMs: one layer, bidirectional, batch first (here 8 -> 2 x 4 features)."""
+
+    def __init__(self, features: int = 8, hidden: int = 4):
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, 1, batch_first=True, bidirectional=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+class LinearDownsample(nn.Module):
+    """SineGen's `F.interpolate(rad_values.transpose(1, 2), scale_factor=1/upsample_scale, mode="linear")`;
+    torch's decomposition clamps int64 indices with one bound: `(i + 1).clamp(max=n - 1)`."""
+
+    def forward(self, rad_values):
+        return F.interpolate(rad_values, scale_factor=1 / 4, mode="linear")
+
+
+class MaskedPhase(nn.Module):
+    """CustomSTFT.transform's phase correction: `phase[mask] = pi`, a boolean-mask index_put."""
+
+    def forward(self, real, imag):
+        phase = torch.atan2(imag, real)
+        correction_mask = (imag == 0) & (real < 0)
+        phase[correction_mask] = torch.pi
+        return phase
+
+
+class ConvInstanceNorm(nn.Module):
+    """A convolution then AdaIN1d's `nn.InstanceNorm1d(num_features, affine=True)`."""
+
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, 3, padding=1)
+        self.norm = nn.InstanceNorm1d(channels, affine=True)
+
+    def forward(self, x):
+        return self.norm(self.conv(x))
+
+
+class SinePhase(nn.Module):
+    """SineGen._f02sine (flag_for_pulse False, no initial phase noise) on the 9th harmonic: the
+    phase is a running sum over the whole utterance, times 2 pi, times the upsample scale."""
+
+    sampling_rate, upsample_scale = 24000, 300
+
+    def forward(self, f0_values):
+        rad_values = (f0_values / self.sampling_rate) % 1
+        rad_values = F.interpolate(rad_values.transpose(1, 2), scale_factor=1 / self.upsample_scale,
+                                   mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad_values, dim=1) * 2 * torch.pi
+        phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
+                              mode="linear").transpose(1, 2)
+        return torch.sin(phase)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _stft_like():
+    g = _gen()
+    real, imag = torch.randn(1, 5, 12, generator=g), torch.randn(1, 5, 12, generator=g)
+    imag[0, :, ::3] = 0  # zero imaginary parts with a negative real part: the corrected bins
+    real[0, :, ::3] = -real[0, :, ::3].abs()
+    return real, imag
+
+
+# ---- the checks inlined into repro.py --------------------------------------------------------
+# Each `check(program, inputs, expected) -> (exit code, message)` imports only its runtime inside.
+
+def classify(error):
+    """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
+    import traceback
+
+    text = f"{type(error).__name__}: {error}"
+    frames = traceback.format_exception(type(error), error, error.__traceback__)
+    print("".join(frames[-6:]).rstrip())
+    if SIGNATURE in text:
+        return 1, f"REPRODUCED: {text.strip().splitlines()[-1][:300]}"
+    return 3, f"CHANGED: a different error than {SIGNATURE!r}: {text.strip().splitlines()[-1][:300]}"
+
+
+def values_match(program, inputs, expected, got, runtime):
+    """Converted and ran: compare with the float64 expected output, beside PyTorch float32's own error."""
+    with torch.no_grad():
+        ours = program.module()(*[t.clone() for t in inputs])
+    ours = list(ours) if isinstance(ours, (list, tuple)) else [ours]
+    worst = []
+    for ref, o32, out in zip(expected, ours, got):
+        out = torch.as_tensor(out).double().reshape(ref.shape)
+        if ref.dtype in (torch.bool, torch.int64, torch.int32):
+            worst.append((0.0 if torch.equal(out.to(ref.dtype), ref) else float("inf"), 0.0))
+            continue
+        norm = float(ref.norm()) or 1.0
+        worst.append((float((out - ref).norm()) / norm, float((o32.double() - ref).norm()) / norm))
+    bad = [(e, f) for e, f in worst if not (e == e) or e > max(1e-5, 4 * f)]
+    table = ", ".join(f"rel_l2 {e:.3e} (PyTorch fp32 {f:.3e})" for e, f in worst)
+    if bad:
+        return 3, f"CHANGED: {runtime} converts now, but its outputs differ from float64: {table}"
+    return 0, f"FIXED: {runtime} converts and matches float64 within 4 x PyTorch float32's error: {table}"
+
+
+def check_coreml(program, inputs, expected):
+    """coremltools: the ATen inference IR (run_decompositions({})) to an mlprogram, FLOAT32."""
+    import platform
+
+    import coremltools as ct
+
+    try:
+        model = ct.convert(program.run_decompositions({}), convert_to="mlprogram",
+                           minimum_deployment_target=ct.target.iOS17, compute_precision=ct.precision.FLOAT32,
+                           compute_units=ct.ComputeUnit.CPU_ONLY, skip_model_load=platform.system() != "Darwin")
+    except Exception as e:  # noqa: BLE001 - the converter's error is the finding
+        return classify(e)
+    if platform.system() != "Darwin":
+        return 0, (f"FIXED: coremltools {ct.__version__} converts the program (prediction needs macOS: "
+                   f"values not compared on {platform.system()})")
+    spec = model.get_spec()
+    out = model.predict({i.name: t.numpy() for i, t in zip(spec.description.input, inputs)})
+    got = [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]
+    return values_match(program, inputs, expected, got, f"coremltools {ct.__version__}")
+
+
+def _tvm_run(mod, inputs):
+    import tvm
+    from tvm import relax
+
+    with tvm.transform.PassContext(opt_level=3):
+        executable = relax.build(mod, target="llvm")
+    out = relax.VirtualMachine(executable, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
+
+    def flatten(v):
+        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
+    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
+
+
+def check_tvm(program, inputs, expected):
+    """TVM Relax: from_exported_program, relax.build for llvm, the Relax VM."""
+    import tvm
+    from tvm.relax.frontend.torch import from_exported_program
+
+    try:
+        got = _tvm_run(from_exported_program(program), inputs)
+    except Exception as e:  # noqa: BLE001 - the frontend's or the build's error is the finding
+        return classify(e)
+    return values_match(program, inputs, expected, got, f"TVM {tvm.__version__}")
+
+
+def check_tvm_onnx(program, inputs, expected):
+    """TVM Relax's ONNX frontend on model.onnx (torch.onnx.export, dynamo, opset 18, of program.pt2)."""
+    import onnx
+    import tvm
+    from tvm.relax.frontend.onnx import from_onnx
+
+    model = onnx.load(str(HERE / "model.onnx"))
+    print("ONNX nodes:", [n.op_type for n in model.graph.node])
+    try:
+        got = _tvm_run(from_onnx(model, keep_params_in_input=False), inputs)
+    except Exception as e:  # noqa: BLE001 - the frontend's error is the finding
+        return classify(e)
+    return values_match(program, inputs, expected, got, f"TVM {tvm.__version__} (ONNX frontend)")
+
+
+def _xnnpack_lower(program):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import to_edge_transform_and_lower
+
+    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    info = get_delegation_info(edge.exported_program().graph_module)
+    outside = {op: row.non_delegated for op, row in info.delegation_by_operator.items() if row.non_delegated}
+    print(f"delegated nodes {info.num_delegated_nodes}, outside the delegate {info.num_non_delegated_nodes}, "
+          f"delegate subgraphs {info.num_delegated_subgraphs}")
+    print("ops outside the delegate:", outside)
+    return edge, info, outside
+
+
+def check_xnnpack_outside(program, inputs, expected):
+    """ExecuTorch + XnnpackPartitioner: is the op (SIGNATURE) left outside the delegate?"""
+    edge, info, outside = _xnnpack_lower(program)
+    left = {op: n for op, n in outside.items() if SIGNATURE in op}
+    if left:
+        return 1, f"REPRODUCED: {left} stay outside the XNNPACK delegate (run on portable kernels)"
+    return 0, f"FIXED: no {SIGNATURE} outside the XNNPACK delegate"
+
+
+def check_xnnpack_cut(program, inputs, expected):
+    """ExecuTorch + XnnpackPartitioner: one LSTM over T steps should be a few delegate subgraphs, not ~T."""
+    edge, info, outside = _xnnpack_lower(program)
+    steps = inputs[0].shape[1]
+    n = info.num_delegated_subgraphs
+    if n >= steps:
+        return 1, (f"REPRODUCED: one LSTM over T={steps} time steps is cut into {n} XNNPACK delegate subgraphs "
+                   f"(split/squeeze/getitem between the steps stay outside the delegate)")
+    return 0, f"FIXED: {n} delegate subgraph(s) for an LSTM over T={steps} steps"
+
+
+def check_float16(program, inputs, expected):
+    """PyTorch in float16 on CPU (what a float16 deployment computes): does the output stay finite?"""
+    module = program.module()
+    with torch.no_grad():
+        got = module.half()(*[t.half() if t.is_floating_point() else t for t in inputs])
+    got = got.double()
+    ref = expected[0]
+    bad = ~torch.isfinite(got) & torch.isfinite(ref)
+    if bad.any():
+        first = int(bad.reshape(-1).nonzero()[0]) if bad.any() else -1
+        return 1, (f"REPRODUCED: {float(bad.double().mean()):.1%} of the float16 output is non-finite "
+                   f"(from sample {first} of {ref.numel()}, {first / 24000:.2f} s at 24 kHz); float64 is finite")
+    err = float((got - ref).norm() / ref.norm())
+    return 0, f"FIXED: the float16 output is finite (relative L2 {err:.3e} against float64)"
+
+
+# ---- the defects ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Defect:
+    name: str  # the bundle's directory: <runtime>-<short-name>
+    title: str
+    runtime: str  # the distribution whose defect it is (its version goes in ENV.md)
+    module: str  # the import name repro.py needs
+    kind: str  # convert | delegation | numerics
+    signature: str  # the text (error message, op name) that is this defect
+    program: Callable[[], tuple[nn.Module, tuple]]
+    check: Callable
+    source: tuple[str, str]  # (file under site-packages, text on the line) where Kokoro meets it
+    op: str  # the op in question
+    workaround: str  # the harness's workaround that hides it (harness.backends.Workaround names)
+    tracker: str  # where to report
+    known: tuple[tuple[str, str], ...] = ()  # (link, what it is) found by searching the tracker
+    helpers: tuple[Callable, ...] = field(default=(classify, values_match))
+    onnx: bool = False  # the bundle also carries model.onnx
+
+
+_CT, _TVM, _ET = "apple/coremltools", "apache/tvm", "pytorch/executorch"
+DEFECTS = [
+    Defect("coremltools-alias", "coremltools: aten.alias has no MIL lowering", "coremltools", "coremltools", "convert",
+           "Unsupported fx node alias", lambda: (AlbertPositions(), (torch.randint(0, 32, (1, 16), generator=_gen()),)),
+           check_coreml, ("transformers/models/albert/modeling_albert.py", "position_ids = self.position_ids[:, :seq_length]"),
+           "aten.alias.default", "coreml-fp32/coreml-fp16: alias_drop", _CT,
+           (("https://github.com/apple/coremltools/issues/2517", "open: 'aten.alias.default operation is not "
+             "supported by Coremltools converter' (feature request, 2025-05)"),)),
+    Defect("coremltools-and", "coremltools: aten.__and__ has no MIL lowering (bitwise_and has)", "coremltools",
+           "coremltools", "convert", "Unsupported fx node", lambda: (MaskAnd(), _stft_like()), check_coreml,
+           ("kokoro/custom_stft.py", "correction_mask = (imag_out == 0) & (real_out < 0)"), "aten.__and__.Tensor",
+           "coreml-*: and_rename (ALBERT's mask), stft_phase_where (CustomSTFT)", _CT,
+           (("https://github.com/apple/coremltools/pull/2816", "related, merged 2026-08: registers the in-place "
+             "__iand__/__ior__/__ixor__ as bitwise ops (not __and__)"),
+            ("https://github.com/apple/coremltools/pull/2668", "related, merged 2026-04: mask-construction ops "
+             "(bitwise_or, new_ones, ...)"))),
+    Defect("coremltools-new-ones", "coremltools: aten.new_ones has no MIL lowering", "coremltools", "coremltools",
+           "convert", "Unsupported fx node new_ones", lambda: (NewOnes(), (torch.randn(2, 6, generator=_gen()),)),
+           check_coreml, ("transformers/masking_utils.py", "new_ones("), "aten.new_ones.default",
+           "coreml-*: decompose_unlowered", _CT,
+           (("https://github.com/apple/coremltools/pull/2668", "merged 2026-04: adds new_ones among the "
+             "attention-mask ops; not in the installed release"),)),
+    Defect("coremltools-rsqrt-int", "coremltools: rsqrt of an int constant is not promoted to float", "coremltools",
+           "coremltools", "convert", "expects tensor or scalar of dtype from type domain",
+           lambda: (RsqrtIntConstant(), (torch.randn(1, 4, 6, generator=_gen()), torch.randn(1, 4, 6, generator=_gen(1)))),
+           check_coreml, ("kokoro/istftnet.py", "torch.rsqrt(torch.tensor(2))"), "aten.rsqrt.default",
+           "coreml-*: rsqrt_float_const (patch)", _CT,
+           (("https://github.com/apple/coremltools/issues/2156", "same class, open: inverse of int32 "
+             "'expects ... fp16, fp32 but got tensor[1,int32]'"),
+            ("https://github.com/apple/coremltools/pull/2683", "same class, merged 2026-05: casts int input of "
+             "reciprocal to fp32 (not rsqrt)"))),
+    Defect("coremltools-lstm", "coremltools: aten.lstm.input (torch.export) has no MIL lowering", "coremltools",
+           "coremltools", "convert", "Unsupported fx node lstm",
+           lambda: (BiLSTM(), (torch.randn(1, 6, 8, generator=_gen()),)), check_coreml,
+           ("kokoro/modules.py", "nn.LSTM("), "aten.lstm.input", "coreml-*: unrolled_lstm (patch)", _CT,
+           (("https://github.com/pytorch/executorch/issues/4090", "related, closed: 'coreml backend doesn't work "
+             "with lstm' (ExecuTorch's Core ML delegate)"),)),
+    Defect("tvm-clamp-int", "TVM Relax: int64 clamp with one bound fails to build ('Cannot convert infinity to "
+           "BigInt')", "apache-tvm", "tvm", "convert", "Cannot convert infinity to BigInt",
+           lambda: (LinearDownsample(), (torch.rand(1, 9, 40, generator=_gen()),)), check_tvm,
+           ("kokoro/istftnet.py", "rad_values = F.interpolate("), "aten.clamp.default (int64, max only)",
+           "tvm: clamp_int_bound", _TVM),
+    Defect("tvm-index-put-bool", "TVM Relax: boolean-mask index_put is rejected", "apache-tvm", "tvm", "convert",
+           "IndexPut requires each index tensor to have integer dtype", lambda: (MaskedPhase(), _stft_like()),
+           check_tvm, ("kokoro/custom_stft.py", "phase[correction_mask] = torch.pi"), "aten.index_put_.default",
+           "tvm: stft_phase_where (patch)", _TVM,
+           (("https://github.com/apache/tvm/issues/12292", "related, closed: boolean-mask indexing in the "
+             "Relay PyTorch frontend (fixed there by apache/tvm#13306), not Relax's index_put"),)),
+    Defect("tvm-onnx-lstm", "TVM Relax ONNX frontend: no LSTM converter", "apache-tvm", "tvm", "convert",
+           "not supported for frontend ONNX: LSTM", lambda: (BiLSTM(), (torch.randn(1, 6, 8, generator=_gen()),)),
+           check_tvm_onnx, ("kokoro/modules.py", "nn.LSTM("), "ONNX LSTM", "tvm-onnx: unrolled_lstm (patch)", _TVM,
+           (("https://github.com/apache/tvm/issues/20124", "open RFC (2026-08): 'Expanding ONNX operator "
+             "coverage in the Relax frontend' lists RNN, GRU, LSTM as missing"),
+            ("https://github.com/apache/tvm/issues/3544", "closed (2019): the same for the old Relay frontend")),
+           onnx=True),
+    Defect("executorch-xnnpack-instancenorm", "ExecuTorch XNNPACK: InstanceNorm stays outside the delegate",
+           "executorch", "executorch", "delegation", "_native_batch_norm_legit_no_stats",
+           lambda: (ConvInstanceNorm(), (torch.randn(1, 8, 32, generator=_gen()),)), check_xnnpack_outside,
+           ("kokoro/istftnet.py", "self.norm = nn.InstanceNorm1d(num_features, affine=True)"),
+           "aten._native_batch_norm_legit_no_stats.default", "none (a performance defect: the op runs on portable "
+           "kernels)", _ET,
+           (("https://github.com/pytorch/executorch/pull/1501", "related, closed (2024): XNNPACK partitions batch "
+             "norm only when it fuses with a convolution"),)),
+    Defect("executorch-xnnpack-lstm-cut", "ExecuTorch XNNPACK: a decomposed aten.lstm is cut into a delegate "
+           "subgraph per time step", "executorch", "executorch", "delegation", "lstm",
+           lambda: (BiLSTM(), (torch.randn(1, 6, 8, generator=_gen()),)), check_xnnpack_cut,
+           ("kokoro/modules.py", "nn.LSTM("), "aten.lstm.input", "xnnpack: unrolled_lstm (patch; performance)", _ET,
+           (("https://github.com/pytorch/executorch/pull/17140", "related, merged 2026-02: a DecomposeLstmPass "
+             "with 2 matmuls per step, for the Arm backend only"),)),
+    Defect("torch-fp16-sinegen-phase", "Kokoro's SineGen phase overflows float16 on utterances over ~6 s",
+           "torch", "torch", "numerics", "non-finite",
+           lambda: (SinePhase(), (torch.full((1, 24000 * 7, 1), 9 * 200.0),)), check_float16,
+           ("kokoro/istftnet.py", "phase = torch.cumsum(rad_values, dim=1) * 2 * torch.pi"), "aten.cumsum.default",
+           "none: float16 deployments must keep SineGen in float32", "hexgrad/kokoro",
+           (("https://github.com/hexgrad/kokoro/pull/353", "open PR (2026-07): an opt-in exact integer-phase "
+             "harmonic source, 'fp16-safe'"),)),
+]
+BY_NAME = {d.name: d for d in DEFECTS}
+
+
+# ---- writing a bundle -------------------------------------------------------------------------
+
+_REPRO = '''#!/usr/bin/env python3
+"""Repro: @TITLE@
+
+Minimal program: program.pt2 (torch.export of the module in REPORT.md), inputs.pt, and the float64
+result of the same program, expected.pt. Needs only torch, numpy and @RUNTIME@ (versions in ENV.md).
+
+Exit code: 1 while the defect reproduces, 0 once it is fixed, 2 when it cannot run here (the
+runtime is not installed), 3 when it fails differently (read the output).
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+SIGNATURE = @SIGNATURE@  # the text that is this defect
+
+
+@HELPERS@
+def main():
+    try:
+        import @MODULE@  # noqa: F401
+    except ImportError as e:
+        print(f"cannot run here: {e}")
+        return 2
+    program = torch.export.load(str(HERE / "program.pt2"))
+    inputs = torch.load(HERE / "inputs.pt", weights_only=True)
+    expected = torch.load(HERE / "expected.pt", weights_only=True)["float64"]
+    print(f"torch {torch.__version__}, numpy {np.__version__}; inputs " +
+          ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs))
+    code, message = check(program, inputs, expected)
+    print(message)
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - not the defect's signature: exit 3, never 1
+        import traceback
+
+        traceback.print_exc()
+        print(f"CHANGED: repro.py itself failed: {type(e).__name__}: {e}")
+        sys.exit(3)
+'''
+
+
+def repro_source(d: Defect) -> str:
+    helpers = "".join(inspect.getsource(f) + "\n\n" for f in d.helpers)
+    if d.check in (check_tvm, check_tvm_onnx):
+        helpers += inspect.getsource(_tvm_run) + "\n\n"
+    if d.check in (check_xnnpack_outside, check_xnnpack_cut):
+        helpers += inspect.getsource(_xnnpack_lower) + "\n\n"
+    helpers += inspect.getsource(d.check).replace(f"def {d.check.__name__}(", "def check(", 1) + "\n"
+    return (_REPRO.replace("@TITLE@", d.title).replace("@RUNTIME@", d.runtime).replace("@MODULE@", d.module)
+            .replace("@SIGNATURE@", repr(d.signature)).replace("@HELPERS@", helpers))
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def kokoro_line(d: Defect) -> str:
+    """`file:line: code` of the Kokoro (or transformers) line the program stands for, found in
+    the installed sources (not imported)."""
+    import importlib.util
+
+    rel, text = d.source
+    spec = importlib.util.find_spec(rel.split("/")[0])
+    if spec is None or not spec.submodule_search_locations:
+        return f"{rel}: `{text}` (package not installed here)"
+    path = Path(next(iter(spec.submodule_search_locations))).parent / rel
+    try:
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if text in line:
+                return f"{rel}:{i}: `{line.strip()}` ({rel.split('/')[0]} {_version(rel.split('/')[0])})"
+    except OSError:
+        pass
+    return f"{rel}: `{text}`"
+
+
+def build_bundle(d: Defect, out: Path) -> Path:
+    """Write program.pt2, inputs.pt, expected.pt (float64), repro.py and ENV.md (and model.onnx)."""
+    from .plumbing.files import atomic_write_text
+
+    bundle = out / d.name
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    bundle.mkdir(parents=True)
+    torch.manual_seed(0)
+    module, inputs = d.program()
+    module.eval()
+    with torch.no_grad():
+        program = torch.export.export(module, tuple(t.clone() for t in inputs))
+        expected = copy.deepcopy(module).double()(*[t.double() if t.is_floating_point() else t.clone() for t in inputs])
+    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    torch.export.save(program, str(bundle / "program.pt2"))
+    torch.save(list(inputs), bundle / "inputs.pt")
+    torch.save({"float64": [e.detach() for e in expected]}, bundle / "expected.pt")
+    if d.onnx:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True, verbose=False).save(
+                str(bundle / "model.onnx"), external_data=False)
+    atomic_write_text(bundle / "repro.py", repro_source(d))
+    atomic_write_text(bundle / "ENV.md", _env_md(d))
+    return bundle
+
+
+def _env_md(d: Defect) -> str:
+    from .repro import _cpu
+
+    rows = [("Python", platform.python_version()), ("OS", platform.platform()),
+            ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)"), ("torch", _version("torch")),
+            ("numpy", _version("numpy"))]
+    if d.runtime not in ("torch", "numpy"):
+        rows.append((d.runtime, _version(d.runtime)))
+    if d.onnx:
+        rows += [("onnx", _version("onnx")), ("onnxscript", _version("onnxscript"))]
+    return "# Environment\n\n| what | version |\n| --- | --- |\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
+
+
+# ---- running a bundle alone -------------------------------------------------------------------
+
+_ISOLATED = """
+import runpy, sys
+BLOCKED = {blocked!r}
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is blocked: the repro must run without it")
+        return None
+sys.meta_path.insert(0, _Block())
+sys.argv = ["repro.py"]
+code = 0
+try:
+    runpy.run_path("repro.py", run_name="__main__")
+except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 3)
+except BaseException:
+    import traceback
+    traceback.print_exc()
+    code = 3
+print("LOADED", sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED)))
+sys.exit(code)
+"""
+
+
+def run_isolated(bundle: Path, timeout: float = 900) -> dict:
+    """Run `bundle/repro.py` in a fresh interpreter (-I: no PYTHONPATH, no user site) in its own
+    directory, with kokoro and this harness made unimportable. Exit codes as repro.py's."""
+    start = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-I", "-c", _ISOLATED.format(blocked=BLOCKED)], cwd=bundle,
+                           capture_output=True, text=True, timeout=timeout,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")})
+        code, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired:
+        code, text = None, f"no result after {timeout:.0f} s"
+    site = str(Path(torch.__file__).resolve().parent.parent) + os.sep  # .../site-packages/: not the reader's
+    lines = [ln.replace(site, "site-packages/") for ln in text.splitlines() if ln.strip() and not _noise(ln)]
+    message = next((ln for ln in reversed(lines) if ln.startswith(("REPRODUCED", "FIXED", "CHANGED",
+                                                                  "cannot run here"))), lines[-1] if lines else "")
+    return {"exit_code": code, "status": STATUS.get(code, "error"), "seconds": round(time.monotonic() - start, 1),
+            "message": message, "output": "\n".join(lines[-40:])}
+
+
+def _noise(line: str) -> bool:
+    """Progress bars and import chatter of the runtimes, left out of reports."""
+    return any(s in line for s in ("it/s]", "ops/s]", "passes/s]", "Failed to load _ML", "torchao", "_pytree.py",
+                                   "[torch.onnx]", "return cls.__new__", "Warning", "warnings.warn"))
+
+
+# ---- REPORT.md ----------------------------------------------------------------------------------
+
+def _minimal_code(d: Defect) -> str:
+    module, inputs = d.program()
+    cls = type(module)
+    shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs)
+    return (f"```python\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\n"
+            f"{inspect.getsource(cls).rstrip()}\n\n\n"
+            f"# inputs: {shapes} (inputs.pt)\nprogram = torch.export.export({cls.__name__}().eval(), inputs)\n```\n"
+            f"then, as `repro.py` does:\n```python\n{textwrap.dedent(inspect.getsource(d.check)).rstrip()}\n```\n")
+
+
+def report_md(d: Defect, result: dict) -> str:
+    source = kokoro_line(d)
+    env = _env_md(d).split("\n", 2)[2]
+    runtime = f"{d.runtime} {_version(d.runtime)}"
+    status = STATUS.get(result["exit_code"], "error")
+    expected = {"convert": "the program converts (and, where it can run, matches `expected.pt`, the float64 "
+                           "result of the same program, within 4 x PyTorch float32's own error)",
+                "delegation": "the op runs inside the XNNPACK delegate, in a few delegate subgraphs",
+                "numerics": "the float16 output stays finite and close to the float64 one"}[d.kind]
+    known = "".join(f"- {link}: {what}\n" for link, what in d.known) or "- none found\n"
+    code = _minimal_code(d)
+    output = "\n".join(ln for ln in result["output"].splitlines() if not ln.startswith("LOADED "))
+    actual = f"```\n{output}\n```"
+    common = dict(title=d.title, runtime=runtime, env=env, code=code, actual=actual, source=source, op=d.op,
+                  expected=expected, known=known, status=status, message=result["message"], name=d.name,
+                  workaround=d.workaround, searched=SEARCHED, exit_code=result["exit_code"])
+    template = {"coremltools": _COREML_REPORT, "apache-tvm": _TVM_REPORT, "executorch": _ET_REPORT}.get(d.runtime,
+                                                                                                       _TORCH_REPORT)
+    return template.format(**common) + _FOOTER.format(**common)
+
+
+_COREML_REPORT = """# {title}
+
+## 🐞Describing the bug
+{message}
+
+Converting a torch.export program that contains `{op}` fails on {runtime}. The program is a few ops long; it
+stands for {source}, where kokoro-parity met it while converting Kokoro-82M.
+
+## Stack Trace
+{actual}
+
+## To Reproduce
+{code}
+Or: `python repro.py` in this directory (exit code 1 while it reproduces, 0 once fixed).
+
+**Expected:** {expected}.
+
+## System environment (please complete the following information):
+{env}
+## Additional context
+- Status on the versions above: **{status}** (`repro.py` exit code {exit_code}).
+"""
+
+_TVM_REPORT = """# {title}
+
+{message}
+
+### Expected behavior
+{expected}.
+
+### Actual behavior
+{actual}
+
+### Environment
+{env}
+### Steps to reproduce
+{code}
+Or: `python repro.py` in this directory (exit code 1 while it reproduces, 0 once fixed). The program stands
+for {source}, where kokoro-parity met it converting Kokoro-82M; the op is `{op}`.
+
+### Triage
+* needs-triage
+* relax:frontend
+
+Status on the versions above: **{status}** (`repro.py` exit code {exit_code}).
+"""
+
+_ET_REPORT = """# {title}
+
+### 🐛 Describe the bug
+{message}
+
+Lowering with `to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])`; the op is
+`{op}`, met at {source} while lowering Kokoro-82M. The program's values are right: this is a
+performance defect (what stays outside the delegate runs on portable kernels; each delegate cut costs a call).
+
+**Expected:** {expected}.
+
+**Actual:**
+{actual}
+
+Minimal code:
+{code}
+Or: `python repro.py` in this directory (exit code 1 while it reproduces, 0 once fixed).
+
+### Versions
+{env}
+Status on the versions above: **{status}** (`repro.py` exit code {exit_code}).
+"""
+
+_TORCH_REPORT = """# {title}
+
+**Summary.** {message}
+
+This is a numerics finding about Kokoro's vocoder, not a defect of PyTorch: SineGen's harmonic phase is a
+running sum over the whole utterance (`{op}`, {source}); on the 9th harmonic of a 200 Hz voice it passes
+float16's 65,504 after about 5.8 s, and `sin` of an infinite phase is NaN. Any float16 deployment (Core ML's
+GPU / Neural Engine, `coreml-fp16`) inherits it; the program here runs it in PyTorch float16 on CPU.
+
+**Expected:** {expected}.
+
+**Actual:**
+{actual}
+
+## Minimal code
+{code}
+Or: `python repro.py` in this directory (exit code 1 while it reproduces, 0 once fixed).
+
+## Versions
+{env}
+Status on the versions above: **{status}** (`repro.py` exit code {exit_code}).
+"""
+
+_FOOTER = """
+## Known reports
+Searched on {searched} (GitHub issues and pull requests):
+{known}
+## Where this comes from
+Written by `kokoro-parity upstream` (harness/upstream.py) from a minimal program that reproduces what
+the kokoro-parity matrix met on Kokoro-82M at {source}. In kokoro-parity the defect is hidden by the
+workaround {workaround}; `--no-workaround NAME` shows it as an item verdict (docs/workarounds.md).
+Files: `repro.py` (torch, numpy and the runtime only), `program.pt2`, `inputs.pt`, `expected.pt` (float64),
+`ENV.md`.
+"""
+
+
+# ---- the list -------------------------------------------------------------------------------------
+
+def readme_md(rows: list[tuple[Defect, dict]]) -> str:
+    lines = ["# Upstream repro bundles", "",
+             "One directory per runtime defect the kokoro-parity matrix found. Each holds a standalone "
+             "`repro.py` (torch, numpy and the runtime's package only; no Kokoro, no kokoro-parity), the "
+             "minimal program (`program.pt2`), `inputs.pt`, the float64 `expected.pt`, `ENV.md` and a "
+             "`REPORT.md` written as the runtime's issue template asks. `repro.py` exits 1 while the defect "
+             "reproduces, 0 once fixed, 2 when it cannot run here, 3 when it fails differently.", "",
+             "Regenerate and re-check all (each repro runs in a fresh interpreter that cannot import kokoro or "
+             "the harness; a defect that no longer reproduces fails the command): `make upstream` "
+             "(`kokoro-parity upstream`). Re-check only: `kokoro-parity upstream --check`; the nightly run does "
+             "that too and the dashboard shows each status.", "",
+             f"Status below: the repro run on this machine, {time.strftime('%Y-%m-%d')}. Known reports: a "
+             f"search of the runtime's tracker on {SEARCHED}.", "",
+             "| bundle | defect | runtime | status now | hidden in kokoro-parity by | known report |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for d, r in rows:
+        known = "; ".join(f"[{link.split('github.com/')[-1].replace('/issues/', '#').replace('/pull/', '#')}]"
+                          f"({link}) ({what.split(':')[0].split(',')[0]})" for link, what in d.known) or "none found"
+        lines.append(f"| [{d.name}]({d.name}/) | {d.title} | {d.runtime} {_version(d.runtime)} | "
+                     f"**{r['status']}** (exit {r['exit_code']}, {r['seconds']:.0f} s) | {d.workaround} | {known} |")
+    return "\n".join(lines) + "\n"
+
+
+def check_bundles(root: Path | None = None, timeout: float = 900) -> list[dict]:
+    """Run every bundle's repro.py alone (the nightly re-check): one row per bundle."""
+    root = Path(root or default_dir())
+    rows = []
+    for bundle in sorted(p.parent for p in root.glob("*/repro.py")):
+        d = BY_NAME.get(bundle.name)
+        r = run_isolated(bundle, timeout)
+        rows.append({"name": bundle.name, "runtime": d.runtime if d else "", "title": d.title if d else bundle.name,
+                     "version": _version(d.runtime) if d else "", "exit_code": r["exit_code"],
+                     "status": r["status"], "message": r["message"], "seconds": r["seconds"]})
+    return rows
+
+
+def main(out: Path | None = None, only: list[str] | None = None, check_only: bool = False) -> int:
+    """Regenerate (or only re-check) the bundles; 1 when any defect does not reproduce."""
+    from .plumbing.files import atomic_write_text
+
+    out = Path(out or default_dir())
+    unknown = [n for n in only or [] if n not in BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown defect(s) {unknown}; known: {', '.join(BY_NAME)}")
+    chosen = [d for d in DEFECTS if not only or d.name in only]
+    rows = []
+    for d in chosen:
+        if not check_only:
+            build_bundle(d, out)
+        elif not (out / d.name / "repro.py").exists():
+            raise FileNotFoundError(f"{out / d.name / 'repro.py'}: no bundle (run `kokoro-parity upstream`)")
+        r = run_isolated(out / d.name)
+        rows.append((d, r))
+        if not check_only:
+            atomic_write_text(out / d.name / "REPORT.md", report_md(d, r))
+        size = sum(p.stat().st_size for p in (out / d.name).iterdir())
+        print(f"{d.name:34s} exit {r['exit_code']}  {r['status']:15s} {r['seconds']:6.1f} s  {size / 1e6:5.2f} MB  "
+              f"{r['message'][:110]}", flush=True)
+    if not check_only and not only:
+        atomic_write_text(out / "README.md", readme_md(rows))
+    failed = [d.name for d, r in rows if r["exit_code"] != REPRODUCED]
+    if failed:
+        print(f"kokoro-parity upstream: the defect does not reproduce in {', '.join(failed)}: read its output, then "
+              f"update the bundle or mark the defect fixed (harness/upstream.py DEFECTS)", file=sys.stderr)
+        for d, r in rows:
+            if d.name in failed:
+                print(f"--- {d.name}\n{r['output']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(only=sys.argv[1:] or None))

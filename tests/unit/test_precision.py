@@ -1,0 +1,244 @@
+"""harness.precision: the float16 floor, the shippable bar, and the float32-island search, on small
+programs with a known float16 failure (a running sum past 65,504, a large reduction)."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness.precision import (Float16Mode, Mixed, Target, candidates, evaluate, keep_float32_graph, keep_tag,
+                               module_audit, read_keep_list, search, write_keep_list)
+from harness.steps import Step, Tensor
+from harness.verdict import Tolerance, Verdict, judge_outputs, shippable
+
+
+class Phase(nn.Module):
+    """SineGen's trouble in miniature: a running sum (a phase) that grows past float16's 65,504
+    before it is wrapped; what leaves the module (its sine) is small."""
+
+    def forward(self, f):
+        return torch.sin(torch.remainder(torch.cumsum(f, dim=-1), 2 * math.pi))
+
+
+class Toy(nn.Module):
+    """pre -> phase (running sum, overflows float16) -> post; its output reads as durations."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.phase = Phase()
+        self.post = nn.Linear(4, 1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5)
+
+    def forward(self, x):
+        # 20 or 21 per step (exact in every precision): the sum passes 65,504 after ~3,200 steps
+        steps = 20.0 + (x > 0).to(x.dtype)
+        sine = self.phase(steps.transpose(1, 2))  # [1, 4, T]
+        y = self.post(sine.transpose(1, 2) + 0.1 * self.pre(x)).squeeze(-1)
+        return 4.0 + 2.0 * torch.tanh(y).clamp(-0.2, 0.2)
+
+
+STEP = Step("toy", lambda km: km, (Tensor("x"),), (Tensor("duration", {1: "tokens"}),), "duration")
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = Toy().eval()
+    x = torch.linspace(-1, 1, 4 * 4000).reshape(1, 4000, 4)
+    with torch.no_grad():
+        fp64 = {"duration": Toy.forward(model.double(), x.double()).detach()}
+    model.float()
+    return model, x, fp64
+
+
+def _target(toy) -> Target:
+    model, x, fp64 = toy
+    return Target("toy", STEP, model, [x], fp64, lambda name, t: t)
+
+
+def test_float16_overflows_and_the_kept_module_fixes_it(toy):
+    model, x, fp64 = toy
+    half = Mixed(model)(x)
+    assert not torch.isfinite(half).all()  # the running sum overflows: inf, then NaN through sin
+    kept = Mixed(model, ["phase"])(x)
+    assert torch.isfinite(kept).all()
+    assert float((kept.double() - fp64["duration"]).abs().max()) < 0.05
+    with pytest.raises(KeyError, match="no module nope"):
+        Mixed(model, ["nope"])
+
+
+def test_emulated_float16_matches_pytorch_float16_kernels(toy):
+    model, x, _ = toy
+    native = Mixed(model, ["phase"], emulate=False)(x)
+    emulated = Mixed(model, ["phase"], emulate=True)(x)
+    assert torch.allclose(native, emulated, atol=4e-3)  # one float16 ulp at 4.0
+    with Float16Mode() as mode:  # hard-coded float32 becomes float16, as the fp16 backend's rewrite does
+        assert torch.zeros(3, dtype=torch.float32).dtype == torch.float16
+        assert torch.ones(2).float().dtype == torch.float16
+        mode.region.append(torch.float32)
+        assert torch.ones(2, dtype=torch.float16).dtype == torch.float32
+
+
+def test_a_large_reduction_overflows_float16():
+    x = torch.ones(1, 100_000)
+    with torch.no_grad():
+        out = Mixed(nn.Identity())(x.sum(-1, keepdim=True))  # summed in float32: fine
+        with Float16Mode(emulate=True):
+            total = x.sum()
+    assert torch.isfinite(out).all() and math.isinf(float(total))
+
+
+def test_audit_names_the_running_sum_first(toy):
+    model, x, _ = toy
+    rows = module_audit(model, [x], depth=2)
+    assert rows[0]["module"] == "phase" and math.isinf(rows[0]["local_rel_l2"])
+    assert {r["module"] for r in rows} == {"pre", "phase", "post"}
+    assert candidates(rows, "")[0] == "phase"
+
+
+def test_search_finds_the_one_module_to_keep_in_float32(toy, tmp_path):
+    tol = Tolerance()
+    before = evaluate(_target(toy), [], tol)
+    assert before.shippable is False and "non-finite" in before.why
+    result = search([_target(toy)], tol, depth=2, top_k=3)
+    assert result.keep == ["phase"] and result.reached
+    assert result.after[0].shippable and result.after[0].badness == 0
+    assert result.share["params"] == 0 and result.share["params_total"] == 25
+    paths = write_keep_list(result, tmp_path)
+    assert read_keep_list(paths["keep_list"]) == ["phase"]
+    src = paths["op_selector"].read_text()
+    assert "KEEP_FP32 = ['phase']" in src and "def op_selector_for" in src
+    compile(src, "op_selector.py", "exec")
+
+
+def test_keep_list_errors_name_the_file(tmp_path, monkeypatch):
+    bad = tmp_path / "keep.json"
+    bad.write_text('{"keep_fp32": "decoder"}')
+    with pytest.raises(ValueError, match="keep.json.*list of module paths"):
+        read_keep_list(bad)
+    monkeypatch.delenv("KOKORO_PARITY_KEEP_FP32", raising=False)
+    assert read_keep_list() == [] and keep_tag([]) == ""
+
+
+def test_fp16_backend_version_follows_the_keep_list(tmp_path, monkeypatch):
+    from harness.backends import get_backend, precision_of
+
+    b = get_backend("fp16")
+    assert precision_of(b) == "float16" and precision_of(get_backend("coreml-fp16")) == "float16"
+    assert precision_of(get_backend("eager")) == "float32"
+    plain = b.version()
+    keep = tmp_path / "keep.json"
+    keep.write_text(json.dumps({"keep_fp32": ["decoder.generator.m_source"]}))
+    monkeypatch.setenv("KOKORO_PARITY_KEEP_FP32", str(keep))
+    assert b.version() != plain and "keep-fp32=" in b.version()
+
+
+def test_exported_program_with_a_float32_island(toy):
+    """The fp16 backend's form: the exported graph in float16, the kept module's nodes in float32."""
+    from harness.backends.fp16 import _to_dtype
+
+    model, x, fp64 = toy
+    program = torch.export.export(copy.deepcopy(model), (x,))  # _to_dtype casts the program's parameters
+    half = _to_dtype(program.module(), torch.float16)
+    with torch.no_grad():
+        assert not torch.isfinite(half(x.half())).all()
+        mixed = keep_float32_graph(_to_dtype(program.module(), torch.float16), program.module(), ["phase"])
+        out = mixed(x.half()).float()
+    assert torch.isfinite(out).all()
+    assert float((out.double() - fp64["duration"]).abs().max()) < 0.05
+
+
+def test_coreml_op_selector_keeps_the_island_in_float32(toy):
+    ct = pytest.importorskip("coremltools")
+    from coremltools.converters.mil.mil import types
+
+    from harness.precision import op_selector_for
+
+    model, x, _ = toy
+    program = torch.export.export(copy.deepcopy(model), (x[:, :64],)).run_decompositions({})
+    selector, n_kept = op_selector_for(program, ["phase"])
+    assert n_kept >= 1
+    mlmodel = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
+                         compute_precision=ct.transform.FP16ComputePrecision(op_selector=selector),
+                         skip_model_load=True)
+    ops = list(mlmodel._mil_program.functions["main"].operations)
+    dtype = {op.op_type: op.outputs[0].dtype for op in ops if op.outputs}
+    assert dtype["cumsum"] == types.fp32  # the running sum stays float32
+    assert dtype["linear"] == types.fp16  # the rest is float16
+
+
+class _Refs:
+    def __init__(self, ref, fp32, fp16):
+        self.fp64, self.fp32, self.fp16 = {"y": ref}, {"y": fp32}, {"y": fp16}
+        self.plain32, self.dynamic32, self.variant = {"y": fp32}, None, ()
+
+
+def test_a_float16_backend_at_its_floor_passes_within_the_float16_floor():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 1000, generator=g, dtype=torch.float64)
+    fp32, fp16 = ref.float().double(), ref.half().double()
+    backend = ref.half().float()  # as good as float16 allows
+    refs = _Refs(ref, fp32, fp16)
+    tol = Tolerance()
+    as32 = judge_outputs(["y"], [backend], refs, lambda n, t: t, tol, precision="float32")
+    assert as32.verdict is Verdict.FAIL and "fp32 floor" in as32.reason
+    as16 = judge_outputs(["y"], [backend], refs, lambda n, t: t, tol, precision="float16")
+    assert as16.verdict is Verdict.PASS and "float16 floor" in as16.reason
+    m = as16.metrics["y"]
+    assert m["floor_precision"] == "float16" and m["floor_rel_l2"] == m["fp16_floor_rel_l2"] > m["fp32_floor_rel_l2"]
+    assert as16.shippable is None  # neither audio nor durations
+
+
+def test_nan_never_passes_nor_ships():
+    ref = torch.ones(1, 10, dtype=torch.float64)
+    nan = torch.full((1, 10), math.nan)
+    refs = _Refs(ref, ref, nan.double())  # float16 eager itself is NaN: no floor
+    j = judge_outputs(["y"], [nan], refs, lambda n, t: t, Tolerance(), precision="float16")
+    assert j.verdict is Verdict.FAIL
+    ok, why = shippable(Tolerance(), durations={"duration": (nan[0], ref[0])})
+    assert ok is False and "non-finite" in why
+    ok, why = shippable(Tolerance(), audio={"audio": {"pesq": math.nan, "mcd_db": 0.1, "rms_ratio_db": 0.0}})
+    assert ok is False
+
+
+def test_shippable_bars():
+    tol = Tolerance(min_pesq=4.0, max_mcd_db=0.5, max_level_db=1.0)
+    good = {"pesq": 4.3, "mcd_db": 0.2, "rms_ratio_db": 0.1}
+    assert shippable(tol, audio={"audio": good})[0] is True
+    assert shippable(tol, audio={"audio": {**good, "rms_ratio_db": 1.5}}) == (False, "audio: level +1.50 dB outside +-1.0 dB")
+    assert shippable(tol, audio={"audio": {**good, "pesq": 3.1}})[0] is False
+    dur = torch.tensor([1.2, 2.6, 0.2])
+    assert shippable(tol, durations={"duration": (dur + 0.1, dur)})[0] is True  # same rounding, 0.2 -> clamped 1
+    assert shippable(tol, durations={"duration": (dur + 0.3, dur)})[0] is False
+    assert shippable(tol) == (None, "no audio or duration output")
+
+
+def test_the_float16_floor_of_a_step_is_computed_once_and_judges_float16(random_model, tmp_path, monkeypatch):
+    """reference.references_for(precision="float16"): float16 eager's outputs, cached; a float16
+    backend exactly at that floor passes within it, and its durations are the shippable bar."""
+    from harness.cases import Bucket, Case
+    from harness.reference import compute_traces, references_for
+
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    case = Case(id="tiny", language="en-us", text="Hi.", phonemes="hˈI.", voice="jf_alpha",
+                bucket=Bucket(tokens=16, frames=400))
+    traces = compute_traces(random_model, case, steps=("duration",))
+    refs = references_for(random_model, case, traces, "duration", "dynamic", [], precision="float16")
+    fp16, fp32, fp64 = refs.fp16["duration"], refs.fp32["duration"], refs.fp64["duration"]
+    assert torch.isfinite(fp16).all() and fp16.dtype == torch.float32
+    err = lambda t: float((t.double() - fp64).norm() / fp64.norm())  # noqa: E731
+    assert err(fp16) > 10 * err(fp32) > 0  # float16's floor is far above float32's
+    again = references_for(random_model, case, traces, "duration", "dynamic", [], precision="float16")
+    assert torch.equal(again.fp16["duration"], fp16)  # from the cache
+    assert references_for(random_model, case, traces, "duration", "dynamic", []).fp16 is None
+    valid = lambda n, t: traces.valid_region("duration", n, t)  # noqa: E731
+    j = judge_outputs(["duration"], [fp16], refs, valid, Tolerance(), precision="float16")
+    assert j.verdict is Verdict.PASS and j.metrics["duration"]["floor_ratio"] == 1.0
+    assert j.shippable is not None and "rounded durations" in j.shippable_reason
