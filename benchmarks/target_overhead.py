@@ -68,11 +68,11 @@ def main() -> int:
                               inputs_path=str(run / "inputs.pt"), outputs_path=str(run / "outputs.pt"))
                 start = time.perf_counter()
                 if remote:
-                    r = target.run_job("harness.backends:run_job", kwargs, run, 300,
+                    r = target.run_job("harness.backends:run_artifact_job", kwargs, run, 300,
                                        files=dict(artifact_path="artifact_entry", inputs_path="input",
                                                   outputs_path="output"))
                 else:
-                    r = run_job("harness.backends:run_job", kwargs, run, 300)
+                    r = run_job("harness.backends:run_artifact_job", kwargs, run, 300)
                 wall = time.perf_counter() - start
                 if not r.ok:
                     raise SystemExit(f"{'remote' if remote else 'local'} run {i}: {r.status} {r.error}\n{r.log_tail}")

@@ -163,7 +163,9 @@ def cmd_nightly(args) -> int:
     items = session.items(backends, args.step, modes)
     selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(modes),
                      weights=args.weights, profile=args.profile, with_patch=args.with_patch)
-    result = nightly(session, items, history_dir, junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
+    result = nightly((session.run(item) for item in items), history_dir, n_items=len(items),
+                     backends=backends, profile=session.profile, counts=lambda: dict(session.counts),
+                     junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
                      factor=args.factor, selection=selection,
                      on_record=lambda r: print(f"{r.item_id}: {r.verdict.value.upper()}  {r.reason}"[:200], flush=True),
                      upstream_dir=None if args.no_upstream else _upstream_dir())

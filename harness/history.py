@@ -364,7 +364,7 @@ def profile_from(data: dict[str, Any] | None):
                       Tolerance(**{k: v for k, v in o.items() if k not in ("step", "backend", "mode")}))
                      for o in data.get("overrides", [])]
         return Profile(default, overrides)
-    except (TypeError, KeyError, AttributeError):
+    except (TypeError, KeyError, AttributeError, ValueError):  # ValueError: pydantic's ValidationError
         return Profile.load()
 
 
@@ -440,27 +440,27 @@ class NightlyResult:
         return "\n".join(lines)
 
 
-def nightly(session, items: list, history_dir: str | os.PathLike, *, junit_path: str | os.PathLike | None = None,
+def nightly(records: Iterable[Record], history_dir: str | os.PathLike, *, n_items: int, backends: Iterable[str],
+            profile, counts: Callable[[], dict] = dict, junit_path: str | os.PathLike | None = None,
             factor: float = DEFAULT_FACTOR, selection: dict[str, Any] | None = None,
             on_record: Callable[[Record], None] | None = None,
             upstream_dir: str | os.PathLike | None = None) -> NightlyResult:
-    """Run `items` through `session` (a harness.runner.Session), keeping the history entry valid
-    after every item; then compare with the history and write the JUnit XML. With `upstream_dir`
+    """Keep one history entry of `records` as they arrive (the caller runs the items, e.g.
+    `(session.run(i) for i in items)`: history never runs anything itself), valid after every
+    record; then compare with the history and write the JUnit XML. With `upstream_dir`
     (docs/upstream), also run every repro bundle's repro.py alone and keep each status in the
     entry: a defect whose repro exits 0 on the installed versions is marked fixed."""
     history_dir = Path(history_dir)
     earlier = load_history(history_dir)
-    backends = sorted({i.backend for i in items})
-    run = new_run(history_dir, selection or {}, backends)
-    run.selection.setdefault("items", len(items))
-    run.selection["tolerances"] = profile_dict(session.profile)
+    run = new_run(history_dir, selection or {}, sorted(set(backends)))
+    run.selection.setdefault("items", n_items)
+    run.selection["tolerances"] = profile_dict(profile)
     start = time.monotonic()
     write_run(history_dir, run)
     try:
-        for item in items:
-            rec = session.run(item)
+        for rec in records:
             run.records.append(rec.to_dict())
-            run.counts = dict(session.counts)
+            run.counts = dict(counts())
             run.duration_s = round(time.monotonic() - start, 3)
             write_run(history_dir, run)
             if on_record:
@@ -471,7 +471,7 @@ def nightly(session, items: list, history_dir: str | os.PathLike, *, junit_path:
             run.upstream = check_bundles(upstream_dir)
             write_run(history_dir, run)
     except BaseException as e:
-        run.error = f"stopped after {len(run.records)} of {len(items)} items: {type(e).__name__}: {e}".strip()
+        run.error = f"stopped after {len(run.records)} of {n_items} items: {type(e).__name__}: {e}".strip()
         run.finished, run.duration_s = utc_now(), round(time.monotonic() - start, 3)
         write_run(history_dir, run)
         raise

@@ -57,7 +57,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "Join the shards' report dirs with `kokoro-parity merge`.")
 
 
-PATH_OPTIONS = ("--report-dir", "--weights", "--profile")
+PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file")
 
 
 def _check_rootdir_kept(config: pytest.Config) -> None:
@@ -105,6 +105,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_RanItems(config), "kokoro-parity-ran-items")
     if not hasattr(config, "workerinput"):
         _check_rootdir_kept(config)
+        if getattr(config.option, "target", "local") != "local":  # a bad target or targets file: a usage error now
+            from .plumbing.targets import TargetError, get_target
+
+            try:
+                get_target(config.option.target, config.option.targets_file)
+            except TargetError as e:
+                raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "no_workaround", None):  # read by the backends here and in their job children
         from .backends import set_disabled_workarounds
 

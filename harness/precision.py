@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -530,8 +529,9 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
 
     log(f"float16 everywhere, {len(targets)} case(s):")
     before = current = run_all([])
-    log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({targets[0].case})")
-    audit = module_audit(targets[0].module, targets[0].inputs, depth, emulate=emulate)
+    small = min(targets, key=lambda t: sum(x.numel() for x in t.inputs if isinstance(x, torch.Tensor)))
+    log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({small.case}, the smallest)")
+    audit = module_audit(small.module, small.inputs, depth, emulate=emulate)
     root = step.module_path
     ranked = candidates(audit, root)
     log("  candidates: " + ", ".join(ranked[:top_k * 3]))
@@ -555,6 +555,8 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
             e = evaluate(targets[worst], _normalize([*keep, c]), tol, emulate)
             tried[c] = e
             log(f"  + {c}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
+            if e.badness == 0:  # shippable on this case: no other option can do better
+                break
         best = min(tried, key=lambda c: tried[c].badness)
         rounds.append({"case": targets[worst].case, "tried": {c: e.badness for c, e in tried.items()}, "chosen": best})
         if tried[best].badness >= current[worst].badness - 1e-6:
@@ -574,7 +576,7 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
                 log(f"  dropped {k}: not needed")
     result = SearchResult(step.name, [t.case for t in targets], keep, all(e.shippable for e in current), before,
                           current, audit, rounds, emulate=emulate)
-    result.share = share_of(targets[0], keep)
+    result.share = share_of(small, keep)
     result.seconds = round(time.perf_counter() - start, 1)
     return result
 
@@ -583,6 +585,9 @@ def share_of(target: Target, keep: list[str]) -> dict[str, Any]:
     """The kept modules' share of the step's parameters and of its FLOPs (torch.utils.flop_counter:
     matmuls and convolutions, on the target's inputs in float32)."""
     params = dict(target.module.named_parameters())
+    root = target.step.module_path  # the step's own parameters (a step module holds the whole KModel)
+    own = {n: p for n, p in params.items() if under(_strip(n), [root])}
+    params = own or params
     total_p = sum(p.numel() for p in params.values())
     kept_p = sum(p.numel() for n, p in params.items() if under(_strip(n.rsplit(".", 1)[0]), keep))
     out: dict[str, Any] = {"params": kept_p, "params_total": total_p, "params_share": kept_p / total_p if total_p else 0.0}

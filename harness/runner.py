@@ -273,7 +273,7 @@ class Session:
         save_tensors(run_dir / "inputs.pt", inputs)
         target = self.target_for(rec.target.get("name") or "local")
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
-            result = target.run_job("harness.backends:run_job",
+            result = target.run_job("harness.backends:run_artifact_job",
                                     dict(backend=backend.name, artifact_path=str(artifact_path),
                                          inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
                                     run_dir, self.limits.run_s,

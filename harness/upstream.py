@@ -146,6 +146,19 @@ class SinePhase(nn.Module):
         return torch.sin(phase)
 
 
+class BroadcastMul(nn.Module):
+    """SineGen's harmonics: a [1, N, 1] phase times the [1, 1, 9] harmonic numbers."""
+
+    def forward(self, phase, harmonics):
+        return phase * harmonics
+
+
+def _transposed_phase():
+    """The [1, N, 1] operand as SineGen's graph hands it over: a transposed view, strides (N, 1, N)."""
+    phase = torch.randn(1, 1, 2000, generator=_gen()).transpose(1, 2)
+    return phase, torch.arange(1, 10, dtype=torch.float32).reshape(1, 1, 9)
+
+
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -289,6 +302,33 @@ def check_xnnpack_cut(program, inputs, expected):
     return 0, f"FIXED: {n} delegate subgraph(s) for an LSTM over T={steps} steps"
 
 
+def check_executorch_dim_order(program, inputs, expected):
+    """ExecuTorch portable kernels and XNNPACK: a program exported from an example whose size-1
+    axis has an unusual stride (torch calls it contiguous) gets a non-standard dim order, and its
+    own kernels reject it whatever strides the inputs have at run time (here: standard ones)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    standard = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in inputs]
+    outcomes = []
+    for name, partitioner in (("portable kernels", []), ("XNNPACK", [XnnpackPartitioner()])):
+        buffer = to_edge_transform_and_lower(program, partitioner=partitioner).to_executorch().buffer
+        method = Runtime.get().load_program(buffer).load_method("forward")
+        try:
+            got = method.execute(standard)
+        except RuntimeError as e:
+            outcomes.append(f"{name}: {e}")
+            continue
+        code, message = values_match(program, inputs, expected, got, f"ExecuTorch ({name})")
+        if code:
+            return code, message
+    if outcomes:
+        return 1, "REPRODUCED: " + "; ".join(outcomes) + " (the kernels log 'different dim orders' / " \
+                  "'Propagating input shapes failed')"
+    return 0, "FIXED: both run the program exported from a transposed [1, N, 1] example"
+
+
 def check_float16(program, inputs, expected):
     """PyTorch in float16 on CPU (what a float16 deployment computes): does the output stay finite?"""
     module = program.module()
@@ -313,7 +353,7 @@ class Defect:
     title: str
     runtime: str  # the distribution whose defect it is (its version goes in ENV.md)
     module: str  # the import name repro.py needs
-    kind: str  # convert | delegation | numerics
+    kind: str  # convert | delegation | numerics | run
     signature: str  # the text (error message, op name) that is this defect
     program: Callable[[], tuple[nn.Module, tuple]]
     check: Callable
@@ -395,6 +435,16 @@ DEFECTS = [
            ("kokoro/modules.py", "nn.LSTM("), "aten.lstm.input", "xnnpack: unrolled_lstm (patch; performance)", _ET,
            (("https://github.com/pytorch/executorch/pull/17140", "related, merged 2026-02: a DecomposeLstmPass "
              "with 2 matmuls per step, for the Arm backend only"),)),
+    Defect("executorch-dim-order-size1", "ExecuTorch: a program exported from a [1, N, 1] transposed view cannot "
+           "run (non-standard dim order of a size-1 axis)", "executorch", "executorch", "run",
+           "execute() failed", lambda: (BroadcastMul(), _transposed_phase()), check_executorch_dim_order,
+           ("kokoro/istftnet.py", "fn = torch.multiply(f0, torch.FloatTensor([[range(1, self.harmonic_num + 2)]]).to(f0.device))"),
+           "aten.mul.Tensor", "the harness exports probes from canonical strides (harness.plumbing.files.canonical)",
+           _ET,
+           (("https://github.com/pytorch/executorch/pull/22745", "related, open (2026-09): dim_order derived from "
+             "strides with size-1 dims, for channels-last tensors (fixes #22520)"),
+            ("https://github.com/pytorch/executorch/issues/9930", "related, open: 'different dim orders' at run "
+             "time after .contiguous()"))),
     Defect("torch-fp16-sinegen-phase", "Kokoro's SineGen phase overflows float16 on utterances over ~6 s",
            "torch", "torch", "numerics", "non-finite",
            lambda: (SinePhase(), (torch.full((1, 24000 * 7, 1), 9 * 200.0),)), check_float16,
@@ -611,7 +661,9 @@ def report_md(d: Defect, result: dict) -> str:
     expected = {"convert": "the program converts (and, where it can run, matches `expected.pt`, the float64 "
                            "result of the same program, within 4 x PyTorch float32's own error)",
                 "delegation": "the op runs inside the XNNPACK delegate, in a few delegate subgraphs",
-                "numerics": "the float16 output stays finite and close to the float64 one"}[d.kind]
+                "numerics": "the float16 output stays finite and close to the float64 one",
+                "run": "the program runs on the given (standard-strided) inputs and matches `expected.pt` within 4 x "
+                       "PyTorch float32's own error"}[d.kind]
     known = "".join(f"- {link}: {what}\n" for link, what in d.known) or "- none found\n"
     code = _minimal_code(d)
     output = "\n".join(ln for ln in result["output"].splitlines() if not ln.startswith("LOADED "))

@@ -169,6 +169,7 @@ _BUILTIN = {
     "coreml-fp32": "harness.backends.coreml:CoreMLFp32Backend",
     "coreml-fp16": "harness.backends.coreml:CoreMLFp16Backend",
     "fp16": "harness.backends.fp16:Fp16Backend",
+    "xnnpack-fp16": "harness.backends.xnnpack_fp16:XnnpackFp16Backend",
     # harness/backends/apple.py: lowered here as far as Linux allows, run on a macOS --target
     "et-coreml": "harness.backends.apple:EtCoreMLBackend",
     "et-mps": "harness.backends.apple:EtMpsBackend",
@@ -247,7 +248,7 @@ def compile_job(backend: str, program_path: str, out_dir: str) -> dict[str, Any]
     return {"audit": audit, "artifact_bytes": size}
 
 
-def run_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
+def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
     import time
 
     import torch
@@ -269,4 +270,4 @@ def compile_run_job(backend: str, program_path: str, out_dir: str, inputs_path: 
     compiled = compile_job(backend, program_path, out_dir)
     atomic_write_json(Path(out_dir) / "compiled.json", compiled)
     artifact = Path(out_dir) / get_backend(backend).artifact_name
-    return {"compile": compiled, "run": run_job(backend, str(artifact), inputs_path, outputs_path)}
+    return {"compile": compiled, "run": run_artifact_job(backend, str(artifact), inputs_path, outputs_path)}

@@ -46,6 +46,8 @@ class EtCoreMLBackend(XnnpackBackend):
 
     name = "et-coreml"
     requires = ("executorch", "coremltools")
+    # coremltools converts the delegated partitions: the graph fixes the coreml-* backends need
+    patches = XnnpackBackend.patches + ("stft_phase_where", "rsqrt_float_const")
     run_requires = ("executorch",)
     description = "ExecuTorch with the Core ML delegate (lowers anywhere, runs on macOS)"
     workarounds = {}

@@ -87,6 +87,9 @@ class PrebuiltBackend(Backend):
 
         digest = (sha256_file(self.path)[:16] if self.path.is_file() else
                   _tree_digest(self.path) if self.path.is_dir() else "missing")
+        if self.kind == "onnx" and self.path.is_file():  # its side files are part of it
+            digest += "".join(f"+{sha256_file(self.path.parent / rel)[:16]}" for rel in external_data(self.path)
+                              if (self.path.parent / rel).is_file())
         return f"{super().version()},file={digest}"
 
     def artifact_key(self, program_key: str = "") -> str:
@@ -103,10 +106,28 @@ class PrebuiltBackend(Backend):
             shutil.copytree(src, dest)
         else:
             shutil.copyfile(src, dest)
-        return {"artifact": str(self.path), "kind": self.kind}
+        extra = external_data(src) if self.kind == "onnx" else []
+        for rel in extra:  # an ONNX's weights in side files, found by their relative location
+            (dest.parent / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src.parent / rel, dest.parent / rel)
+        return {"artifact": str(self.path), "kind": self.kind, **({"external_data": extra} if extra else {})}
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         return run_artifact(artifact_path, inputs)
+
+
+def external_data(path: Path) -> list[str]:
+    """The side files an ONNX keeps its tensors in (`location` of external-data initializers)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    found = []
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc and loc not in found:
+                found.append(loc)
+    return found
 
 
 def _tree_digest(path: Path) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +37,24 @@ BISECTABLE = ("fail", "run_error", "crashed", "compile_error")
 ERRORS = ("run_error", "crashed", "compile_error")  # item verdicts whose probes localize an error, not a value
 SKIP_MODULE_TYPES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.",
                      "torch.nn.modules.linear.Identity")
+
+
+@dataclass
+class ModuleCut:
+    """One probed module cut: the module, the probe's status, the cut's last node, its worst output."""
+
+    module: str
+    type: str
+    status: str
+    cut: str
+    n_ops: int
+    why: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def row(self) -> dict:
+        """The record's row (flat, as the tables and the dashboard read it)."""
+        return {"module": self.module, "type": self.type, "status": self.status, "cut": self.cut,
+                "n_ops": self.n_ops, "why": self.why, **self.metrics}
 
 
 class Bisector:
@@ -139,12 +158,12 @@ class Bisector:
             i, m = cuts[j]
             p = self.probe("module", strip_kmodel(m["path"]), self.live_at(cands, i, keep, self.graph.outputs))
             worst = max(p.metrics.values(), key=lambda x: _num(x.get("floor_ratio")), default={})
-            rows[j] = {"module": strip_kmodel(m["path"]), "type": m["type"].rsplit(".", 1)[-1], "status": p.status,
-                       "cut": cands[i].name, "n_ops": p.n_ops, "why": p.why, **worst}
+            rows[j] = ModuleCut(strip_kmodel(m["path"]), m["type"].rsplit(".", 1)[-1], p.status, cands[i].name,
+                                p.n_ops, p.why, dict(worst))
             return self.diverges(p)
 
         found = first_failing(len(cuts), fails)
-        table = [rows[j] for j in sorted(rows)]
+        table = [rows[j].row() for j in sorted(rows)]
         if found.index is None:
             return None, table, cands
         lo = cuts[found.index - 1][0] + 1 if found.index > 0 else 0

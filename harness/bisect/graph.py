@@ -27,8 +27,8 @@ def _mutates(node) -> bool:
 
 
 def source_line(node) -> str:
-    """The last frame of the node's stack trace inside kokoro or the harness's patched forwards,
-    else the last one outside torch, as `kokoro/istftnet.py:31 in forward: <code>`."""
+    """The last frame of the node's stack trace inside kokoro, transformers' models (ALBERT) or the
+    harness's patched forwards, else the last one outside torch, as `kokoro/istftnet.py:31 in forward: <code>`."""
     lines = (node.meta.get("stack_trace") or "").splitlines()
     frames = []
     for i, line in enumerate(lines):
@@ -40,7 +40,8 @@ def source_line(node) -> str:
             frames.append((path, lineno, func, code))
     if not frames:
         return ""
-    inside = [f for f in frames if "/kokoro/" in f[0] or "/harness/patches/" in f[0]]
+    # transformers too: ALBERT's own line (modeling_albert.py), not kokoro's wrapper calling it
+    inside = [f for f in frames if any(s in f[0] for s in ("/kokoro/", "/harness/patches/", "/transformers/models/"))]
     outside_torch = [f for f in frames if "site-packages/torch/" not in f[0]]
     path, lineno, func, code = (inside or outside_torch or frames)[-1]
     short = path.split("site-packages/")[-1]

@@ -104,7 +104,7 @@ def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits)
     outputs_path.unlink(missing_ok=True)
     run_kwargs = dict(backend=backend.name, inputs_path=str(entry / "inputs.pt"), outputs_path=str(outputs_path))
     if cache.lookup("artifacts", key):
-        result = run_job("harness.backends:run_job",
+        result = run_job("harness.backends:run_artifact_job",
                          dict(run_kwargs, artifact_path=str(cache.entry("artifacts", key) / backend.artifact_name)),
                          run_dir, limits.run_s)
         return (None if result.ok else "run"), result, False

@@ -6,8 +6,26 @@ error metrics NaN: a non-finite output can never look close (unlike `np.isclose(
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import numpy as np
+
+
+class ErrorMetrics(TypedDict, total=False):
+    """What `error_metrics` and `compare_to_floor` return, per output (records keep it as JSON)."""
+
+    nan_rate: float
+    inf_rate: float
+    new_nonfinite: int  # NaN/Inf in the candidate where the reference is finite
+    ref_peak: float
+    max_abs: float
+    mean_abs: float
+    rel_l2: float
+    cosine: float
+    snr_db: float
+    floor_rel_l2: float  # fp32 eager's own rel_l2 against float64: the noise floor
+    floor_max_abs: float
+    floor_ratio: float  # rel_l2 / floor_rel_l2
 
 
 def _f64(a) -> np.ndarray:
@@ -16,7 +34,7 @@ def _f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def error_metrics(candidate, reference) -> dict[str, float]:
+def error_metrics(candidate, reference) -> ErrorMetrics:
     """NaN/Inf rates, max-abs, mean-abs, relative L2, cosine similarity and SNR (dB)."""
     c, r = _f64(candidate), _f64(reference)
     if c.shape != r.shape:
@@ -42,7 +60,7 @@ def error_metrics(candidate, reference) -> dict[str, float]:
     return out
 
 
-def compare_to_floor(candidate, fp32_eager, fp64_reference) -> dict[str, float]:
+def compare_to_floor(candidate, fp32_eager, fp64_reference) -> ErrorMetrics:
     """The candidate's error against fp64, fp32 eager's own error (the floor), and their ratio."""
     m = error_metrics(candidate, fp64_reference)
     floor = error_metrics(fp32_eager, fp64_reference)

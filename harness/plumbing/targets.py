@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -592,7 +592,7 @@ class SshTarget(Target):
             else:
                 atomic_write_bytes(outputs.get(name) or workdir / Path(name).name, data)
         result = JobResult(**d)
-        result.extra.update(upload_bytes=sent["bytes"], upload_s=round(time.monotonic() - upload_start, 3))
+        result.extra.update(upload_bytes=sent["bytes"], ssh_s=round(time.monotonic() - upload_start, 3))  # the job's ssh, wall
         return result
 
     def _cleanup(self, run_id: str) -> None:

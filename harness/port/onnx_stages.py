@@ -193,6 +193,7 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
             source = force_input(Path(artifact), out_dir / "forced.onnx", dur, own.dtype)
     (out_dir / "marked.onnx").unlink()
     rows: dict = {}
+    dynamic = depends_on_inputs(model)
     for path, what in STAGES:
         if path not in groups:
             rows[path] = {"what": what, "mapped": False, "why": "no ONNX node is named after this module"}
@@ -219,7 +220,8 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
         if path == "decoder.generator.istft" and rows.get("decoder.generator.conv_post", {}).get("tensor"):
             # the tail: everything from conv_post's output to the audio (exp, sin, inverse STFT)
             g = {**g, "inputs": [rows["decoder.generator.conv_post"]["tensor"]]}
-        local = _local(source, g, tensor, {**ref, "feed": feed}, path, values, out_dir / "stages" / path)
+        local = _local(source, g, tensor, {**ref, "feed": feed, "dynamic": dynamic}, path, values,
+                       out_dir / "stages" / path)
         rows[path].update(local)
     if dur:
         rows["pred_dur"] = {"what": "durations (Round, Clip)", "mapped": True, "tensor": dur,
@@ -230,6 +232,15 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     torch.save(rows, out_dir / "stages.pt")
     return {"mapped": [p for p, r in rows.items() if r.get("mapped")], "forced_durations": forced,
             "unmapped": {p: r["why"] for p, r in rows.items() if not r.get("mapped")}}
+
+
+def depends_on_inputs(model) -> set[str]:
+    """The tensors that depend on a graph input (the others are computed from weights alone)."""
+    seen = {i.name for i in model.graph.input}
+    for n in model.graph.node:  # ONNX nodes are topologically sorted
+        if any(x in seen for x in n.input):
+            seen.update(n.output)
+    return seen
 
 
 def force_input(src: Path, dest: Path, tensor: str, dtype) -> Path:
@@ -289,6 +300,9 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
         if x in ref["feed"]:
             feed[x] = ref["feed"][x]
             continue
+        if x not in ref["dynamic"] and own is not None:  # computed from weights alone (quantization scales)
+            feed[x] = np.asarray(own)
+            continue
         fit = [i for i, a in enumerate(args) if i not in used and a.numel() == (np.asarray(own).size if own is not None
                                                                                    else -1)]
         if fit and own is not None and np.issubdtype(np.asarray(own).dtype, np.floating):
@@ -298,8 +312,8 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
             i, value = min(options, key=lambda o: _rel(o[1], own_t))
             used.add(i)
             feed[x] = value.astype(np.asarray(own).dtype)
-        elif own is not None and not np.issubdtype(np.asarray(own).dtype, np.floating):
-            feed[x] = np.asarray(own)
+        elif own is not None and (not np.issubdtype(np.asarray(own).dtype, np.floating) or np.asarray(own).size <= 16):
+            feed[x] = np.asarray(own)  # shapes, lengths, quantization scales: the artifact's own values
         else:
             return {"local_error": f"input {x!r} matches none of the module's reference inputs"}
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes

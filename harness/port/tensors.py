@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..steps import STAGES, STEPS
+from ..steps import STEPS
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,6 @@ def _producers() -> dict[str, tuple[str, str]]:
 
 
 PRODUCERS = _producers()
-_ = STAGES  # the two-stage programs reuse the steps' tensor names
 
 
 def known(name: str) -> bool:

@@ -98,7 +98,7 @@ def test_entry_point_backend_compiles_and_runs_in_child_jobs(example_backends, s
     assert result.ok, result.error + result.log_tail
     assert result.value["audit"] == {"example": "copied the program"}
     torch.save(list(args), tmp_path / "inputs.pt")
-    ran = run_job("harness.backends:run_job", dict(backend="example-interpreter", artifact_path=str(tmp_path / "program.pt2"),
+    ran = run_job("harness.backends:run_artifact_job", dict(backend="example-interpreter", artifact_path=str(tmp_path / "program.pt2"),
                                                    inputs_path=str(tmp_path / "inputs.pt"),
                                                    outputs_path=str(tmp_path / "outputs.pt")), tmp_path / "run", timeout=300)
     assert ran.ok, ran.error

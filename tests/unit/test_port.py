@@ -252,6 +252,7 @@ def test_a_chain_names_the_stage_with_the_defect(port_session, tmp_path, defect,
     item, rec = _run(port_session, str(tmp_path / "port.yaml"))
     assert item.id == "tiny-port:three-port-dynamic"
     rows = {r["stage"]: r for r in rec.stages}
+    assert set(rows) == {"text", "a", "b"}, rec.reason
     assert rows["text"]["local_ok"] and rows["b"]["local_ok"] and not rows["a"]["local_ok"]
     assert not rows["b"]["chained_ok"]  # accumulated from a
     assert rows["a"]["outputs"]["asr"]["local"]["kind"].startswith(kind)
@@ -272,7 +273,8 @@ def test_durations_rounded_differently_are_named_at_their_stage(port_session, tm
         "name: dur\nstages:\n"
         "  - {name: dur, artifact: dur.onnx, inputs: {d: d}, outputs: {duration: duration}}\n")
     _, rec = _run(port_session, str(tmp_path / "port.yaml"))
-    assert rec.verdict is Verdict.FAIL and "'dur'" in rec.reason
+    assert rec.verdict is Verdict.FAIL and rec.reason.startswith("dur:duration: rel_l2"), rec.reason
+    assert not rec.stages[0]["local_ok"]
 
 
 @pytest.mark.slow

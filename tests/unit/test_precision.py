@@ -201,7 +201,10 @@ def test_nan_never_passes_nor_ships():
     nan = torch.full((1, 10), math.nan)
     refs = _Refs(ref, ref, nan.double())  # float16 eager itself is NaN: no floor
     j = judge_outputs(["y"], [nan], refs, lambda n, t: t, Tolerance(), precision="float16")
-    assert j.verdict is Verdict.FAIL
+    assert j.verdict is Verdict.FAIL and "non-finite" in j.reason
+    # float32 islands: finite where float16 eager is not (en_long's vocoder): better than the floor
+    j = judge_outputs(["y"], [ref.float() + 0.01], refs, lambda n, t: t, Tolerance(), precision="float16")
+    assert j.verdict is Verdict.PASS and "finite where float16 eager is not" in j.reason
     ok, why = shippable(Tolerance(), durations={"duration": (nan[0], ref[0])})
     assert ok is False and "non-finite" in why
     ok, why = shippable(Tolerance(), audio={"audio": {"pesq": math.nan, "mcd_db": 0.1, "rms_ratio_db": 0.0}})
@@ -242,3 +245,51 @@ def test_the_float16_floor_of_a_step_is_computed_once_and_judges_float16(random_
     j = judge_outputs(["duration"], [fp16], refs, valid, Tolerance(), precision="float16")
     assert j.verdict is Verdict.PASS and j.metrics["duration"]["floor_ratio"] == 1.0
     assert j.shippable is not None and "rounded durations" in j.shippable_reason
+
+
+def test_tables_say_within_the_float16_floor_and_shippable():
+    from harness.record import Record
+    from harness.report import item_table, summary_table
+
+    m = {"rel_l2": 0.14, "floor_rel_l2": 0.985, "floor_ratio": 0.142, "fp16_floor_rel_l2": 0.985,
+         "fp32_floor_rel_l2": 0.007, "floor_precision": "float16", "nan_rate": 0.0}
+    rec = Record("en_short", "decoder", "fp16", "dynamic", Verdict.PASS, reason="audio: rel_l2 ...",
+                 metrics={"audio": m}, audio_metrics={"audio": {"pesq": 4.52, "mcd_db": 0.82}},
+                 precision="float16", shippable=False, shippable_reason="audio: MCD 0.82 dB > 0.5 dB")
+    assert "float16: within the float16 floor, not shippable (audio: MCD 0.82 dB > 0.5 dB)" in item_table(rec)
+    cell = summary_table([rec]).splitlines()[-1]
+    assert "PASS rel 0.14 (0.142x fp16 floor) PESQ 4.52 not shippable" in cell
+    assert Record.from_dict(rec.to_dict()).shippable is False  # the new fields round-trip
+    old = {k: v for k, v in rec.to_dict().items() if k not in ("precision", "shippable", "shippable_reason")}
+    assert Record.from_dict(old).precision == "float32"  # records written before them still load
+
+
+@pytest.mark.slow
+def test_xnnpack_fp16_lowers_a_float16_program(tmp_path):
+    """The phone CPU's float16 route: the program cast to float16 and re-exported (a dynamic length
+    kept dynamic), lowered with XNNPACK; runs on float32 inputs and returns float32."""
+    pytest.importorskip("executorch")
+    from harness.backends import get_backend, precision_of
+
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.relu(self.proj(x)).float()  # a hard-coded float32 becomes float16 too
+
+    torch.manual_seed(0)
+    model = Small().eval()
+    x = torch.randn(1, 6, 8)
+    program = torch.export.export(model, (x,), dynamic_shapes=({1: torch.export.Dim("t", min=2, max=64)},))
+    torch.export.save(program, tmp_path / "program.pt2")
+    b = get_backend("xnnpack-fp16")
+    assert precision_of(b) == "float16"
+    audit = b.compile(tmp_path / "program.pt2", tmp_path)
+    assert audit["program_dtype"] == "float16" and audit["delegated_nodes"] > 0
+    longer = torch.randn(1, 11, 8)  # another length: the re-export kept the dimension dynamic
+    out = b.run(tmp_path / b.artifact_name, [longer])[0]
+    assert out.dtype == torch.float32 and out.shape == (1, 11, 4)
+    expected = model(longer)
+    assert 0 < float((out - expected).abs().max()) < 1e-2  # float16, not float32

@@ -338,6 +338,7 @@ def test_apple_backends_say_precisely_why_they_cannot_run_here():
     assert not ok and "TVM's Metal runtime needs macOS" in why
 
 
+@pytest.mark.slow  # imports executorch and coremltools: 10-25 s
 def test_et_coreml_lowers_on_linux_and_its_runtime_lacks_the_delegate(tmp_path):
     pytest.importorskip("executorch")
     pytest.importorskip("coremltools")
@@ -362,3 +363,22 @@ def test_the_harness_options_travel_with_a_job_and_local_paths_do_not(lab, tmp_p
     units = t.run_job("os:getenv", {"key": "KOKORO_PARITY_COREML_COMPUTE_UNITS"}, tmp_path / "a", 30)
     cache = t.run_job("os:getenv", {"key": "KOKORO_PARITY_CACHE"}, tmp_path / "b", 30)
     assert units.value == "CPU_AND_NE" and cache.ok and cache.value is None
+
+
+def test_an_unknown_target_is_a_usage_error_in_the_cli_and_in_pytest(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from harness.cli import main
+
+    from .conftest import child_pytest_env
+
+    path = tmp_path / "targets.yaml"
+    path.write_text("targets:\n  mac: {kind: ssh, host: m}\n")
+    assert main(["run", "--target", "nope", "--targets-file", str(path), "--backend", "eager"]) == 2
+    assert "unknown target 'nope'; known: local, mac" in capsys.readouterr().err
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "pytest", "--target", "mac", f"--targets-file={tmp_path / 'bad.yaml'}",
+                        "--co", "-q", "-p", "no:randomly", "--backend", "eager"], cwd=root, capture_output=True,
+                       text=True, env=child_pytest_env(), timeout=300)
+    assert p.returncode == 4 and "bad.yaml: targets file not found" in p.stderr, p.stderr[-2000:]
