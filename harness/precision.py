@@ -29,6 +29,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from .backends.fp16 import node_module_path  # noqa: F401 - also inlined into the op_selector file
+
 KEEP_ENV = "KOKORO_PARITY_KEEP_FP32"  # a keep-list JSON: the fp16 / coreml-fp16 backends keep its modules in float32
 KEEP_SCHEMA = "kokoro-parity/keep-fp32/1"
 FLOOR_VERSION = 1  # bump when the float16 eager recipe changes: it invalidates cached float16 floors
@@ -277,19 +279,6 @@ def keep_tag(keep: list[str]) -> str:
     from .plumbing.files import content_key
 
     return f";keep-fp32={content_key('keep', *keep)[:12]}" if keep else ""
-
-
-def node_module_path(node) -> str:
-    """The module path of an FX node of an exported step (`decoder.generator.m_source`), from its
-    `nn_module_stack`; `<top>` for the step's own code."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return "<top>"
-    path = ""
-    for entry, _ in stack.values():  # an entry may be relative to its parent (patched forwards)
-        path = entry if not path or entry.startswith(path) else f"{path}.{entry}"
-    path = path.removeprefix("L['self'].")
-    return (path[len("kmodel."):] if path.startswith("kmodel.") else path) or "<top>"
 
 
 def op_selector_for(exported_program, keep: list[str]):

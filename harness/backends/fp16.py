@@ -18,14 +18,17 @@ FP16_MAX = 65504.0
 TOP = 15  # submodules listed in the audit, by largest activation
 
 
-def _module_path(node) -> str:
+def node_module_path(node) -> str:
+    """The module path of an FX node of an exported step (`decoder.generator.m_source`), from its
+    `nn_module_stack`; `<top>` for the step's own code."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return "<top>"
     path = ""
     for entry, _ in stack.values():  # an entry may be relative to its parent (patched forwards)
         path = entry if not path or entry.startswith(path) else f"{path}.{entry}"
-    return path.removeprefix("L['self'].").removeprefix("kmodel.") or "<top>"
+    path = path.removeprefix("L['self'].")
+    return (path[len("kmodel."):] if path.startswith("kmodel.") else path) or "<top>"
 
 
 def _to_dtype(graph_module, dtype):
@@ -62,12 +65,12 @@ def activation_ranges(graph_module, inputs) -> tuple[list, dict]:
                 x = out.detach()
                 finite = torch.isfinite(x)
                 peak = float(x.abs().where(finite, 0).max())
-                s = stats.setdefault(_module_path(n), {"max_abs": 0.0, "nonfinite": False})
+                s = stats.setdefault(node_module_path(n), {"max_abs": 0.0, "nonfinite": False})
                 s["max_abs"] = max(s["max_abs"], peak)
                 if not bool(finite.all()):
                     s["nonfinite"] = True
                     if not first_nonfinite:
-                        first_nonfinite.append(f"{n.name} ({n.target}) in {_module_path(n)}")
+                        first_nonfinite.append(f"{n.name} ({n.target}) in {node_module_path(n)}")
             return out
 
     with torch.no_grad():
