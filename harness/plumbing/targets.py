@@ -316,7 +316,7 @@ class _Proc:
     stderr: str
 
 
-class SshTarget(Target):
+class SshTarget(Target):  # ~290 lines: one host's transport (connection, shipping, a job's round trip, cleanup)
     kind = "ssh"
 
     def __init__(self, name: str, spec) -> None:
@@ -505,6 +505,7 @@ class SshTarget(Target):
             raise TargetUnreachable(f"cannot ship the harness to {self.spec.work_dir}: {p.stderr.strip()[-300:]}")
         self._known.add(hkey)
 
+    # ~90 lines: the host half of one job's stream protocol; `serve` below is the target's half
     def _serve(self, script: str, run_id: str, job: dict, ship: dict[str, tuple], inputs: dict[str, Path],
                timeout: float, workdir: Path, outputs: dict) -> JobResult:
         """One `ssh`: a tar of the job (remote.json, inputs, missing artifacts) on its stdin, which then
@@ -681,7 +682,7 @@ def _prune_remote(cache: Path, keep: set[str], max_bytes: int, recent_s: float =
         total -= sizes[d]
 
 
-def serve(run_id: str) -> int:
+def serve(run_id: str) -> int:  # ~90 lines: the target half of the protocol, read beside SshTarget._serve
     """`python -m harness.plumbing.targets serve RUN_ID`, in the target's work dir: read the job's
     tar from stdin (remote.json, inputs, artifacts missing from the cache), run it with
     `jobs.run_job`, write a tar of its result, log and outputs to stdout, remove the run dir. EOF on
