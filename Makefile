@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install parity matrix test bench profile clean-cache nightly dashboard upstream
+.PHONY: install parity matrix test heavy-tests bench profile clean-cache nightly dashboard upstream
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ profile: install
 
 test: install
 	$(BIN)/pytest tests/unit -n 2 --durations=25 $(ARGS)
+
+# Tests that run the real default model end to end for many minutes each (not in `make test`/CI):
+# the packaged int8 whole-model ONNX judged and localized on en_short and ja.
+heavy-tests: install
+	KOKORO_PARITY_HEAVY_TESTS=1 $(BIN)/pytest tests/unit -m slow -k packaged_int8 $(ARGS)
 
 clean-cache: install
 	$(BIN)/kokoro-parity cache clear

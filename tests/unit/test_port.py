@@ -4,6 +4,8 @@ onnx.helper: stages that replay a reference tensor or transform their input with
 (a constant gain, a sign flip, a one-sample shift, durations rounded differently, other noise)."""
 from __future__ import annotations
 
+import os
+
 import math
 from pathlib import Path
 
@@ -278,6 +280,8 @@ def test_durations_rounded_differently_are_named_at_their_stage(port_session, tm
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
+                    reason="a real-model run (about 10 min per case on 2 cores): `make heavy-tests`")
 @pytest.mark.parametrize("case", ["en_short", "ja"])
 def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, case):
     """The whole-model int8 ONNX the default model is rebuilt from (assembled from the PyPI
