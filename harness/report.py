@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from tabulate import tabulate
 
@@ -157,22 +156,6 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     table = [[key[0], key[2], key[3], rows[key].get("drift", "-"), *(rows[key].get(b, "not run") for b in backends)]
              for key in sorted(rows)]  # key: (case, pipeline rank, step, mode)
     return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt=tablefmt)
-
-
-def write_audio(report_dir: Path, item_id: str, outputs: dict, valid) -> dict[str, str]:
-    """Reference and backend WAVs (valid region) of audio outputs, `{name: (reference, backend)}`,
-    so that a person can hear what the metrics summarize: <report_dir>/audio/<item_id>/{reference,
-    backend}.wav (a name prefix when there are several). Returns role -> path relative to report_dir."""
-    from .metrics.audio import write_wav
-
-    paths = {}
-    for name, pair in outputs.items():
-        prefix = "" if len(outputs) == 1 else f"{name}-"
-        for role, tensor in zip(("reference", "backend"), pair):
-            rel = Path("audio") / item_id / f"{prefix}{role}.wav"
-            write_wav(Path(report_dir) / rel, valid(name, tensor).detach().cpu().numpy())
-            paths[prefix + role] = rel.as_posix()
-    return paths
 
 
 def format_bisect(b: dict) -> str:

@@ -314,7 +314,7 @@ class Session:
         rec.audio_metrics, rec.verdict, rec.reason = j.audio_metrics, j.verdict, j.reason
         rec.shippable, rec.shippable_reason = j.shippable, j.shippable_reason
         if j.audio_metrics:
-            from .report import write_audio
+            from .metrics.audio import write_audio
 
             wavs = {n: (refs.fp64[n], out) for n, out in zip(names, outputs) if n in audio_names}
             rec.audio.update(write_audio(self.report_dir, item.id, wavs, valid))

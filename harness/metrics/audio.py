@@ -474,3 +474,19 @@ def write_wav(path: str | os.PathLike, audio, sample_rate: int = 24000) -> Path:
             w.writeframes(pcm)
 
     return atomic_write(path, write)
+
+
+def write_audio(report_dir, item_id: str, outputs: dict, valid) -> dict[str, str]:
+    """Reference and backend WAVs (valid region) of audio outputs, `{name: (reference, backend)}`,
+    so that a person can hear what the metrics summarize: <report_dir>/audio/<item_id>/{reference,
+    backend}.wav (a name prefix when there are several). Returns role -> path relative to report_dir."""
+    from pathlib import Path as _Path
+
+    paths = {}
+    for name, pair in outputs.items():
+        prefix = "" if len(outputs) == 1 else f"{name}-"
+        for role, tensor in zip(("reference", "backend"), pair):
+            rel = _Path("audio") / item_id / f"{prefix}{role}.wav"
+            write_wav(_Path(report_dir) / rel, valid(name, tensor).detach().cpu().numpy())
+            paths[prefix + role] = rel.as_posix()
+    return paths
