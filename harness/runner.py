@@ -63,7 +63,7 @@ class Resolved:
     """An item with what it needs, looked up once."""
 
     item: Item
-    step: object  # harness.steps.Step
+    step: object  # harness.steps.Step; None for e2e, which runs two stages (harness.e2e)
     case: Case
     traces: object  # harness.reference.CaseTraces
     backend: Backend
@@ -152,8 +152,8 @@ class Session:
         from .steps import get_step
 
         backend = get_backend(item.backend)
-        return Resolved(item, get_step(item.step), self.cases[item.case], self.traces(item.case), backend,
-                        self.patches_for(backend))
+        step = None if item.step == "e2e" else get_step(item.step)
+        return Resolved(item, step, self.cases[item.case], self.traces(item.case), backend, self.patches_for(backend))
 
     def new_record(self, item: Item, patches: list[str], backend: Backend | None) -> Record:
         from .patches import PATCHES
