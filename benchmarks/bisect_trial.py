@@ -23,8 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-os.environ.setdefault("KOKORO_PARITY_EXTRA_BACKENDS", "faulty-eager=tests.unit.faulty_backend:FaultyEager,"
-                      "faulty-xnnpack=tests.unit.faulty_backend:FaultyXnnpack")
+from tests.unit.faulty_backend import BASES, EXTRA  # noqa: E402
+
+os.environ.setdefault("KOKORO_PARITY_EXTRA_BACKENDS", EXTRA)
 
 from harness.plumbing.files import atomic_write_json  # noqa: E402
 
@@ -49,7 +50,7 @@ def pick_nodes(session, item, prefix: str, n: int, seed: int) -> list[tuple[str,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="xnnpack", choices=("xnnpack", "eager"))
+    p.add_argument("--backend", default="xnnpack", choices=tuple(BASES))
     p.add_argument("--case", default="en_short")
     p.add_argument("--mode", default="dynamic")
     p.add_argument("--step", default="decoder")

@@ -35,6 +35,7 @@ __all__ = ["BISECTABLE", "BisectError", "Bisector", "StepGraph", "bisect_item", 
 
 BISECTABLE = ("fail", "run_error", "crashed", "compile_error")
 ERRORS = ("run_error", "crashed", "compile_error")  # item verdicts whose probes localize an error, not a value
+TAP_BYTES = 1 << 30  # the tapped values one compiled probe may return
 SKIP_MODULE_TYPES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.",
                      "torch.nn.modules.linear.Identity")
 
@@ -84,6 +85,8 @@ class Bisector:
         self.counts: Counter = Counter()
         self.probes: list[Probe] = []
         self.run_root = self.report_dir / "runs" / item_id / "bisect"
+        self.persisting: list[str] | None = None  # values whose error reaches the output (tapped module stage)
+        self.tapped: Probe | None = None  # the module stage's tapped run, whose values feed the op stage
 
     @classmethod
     def for_item(cls, session, item, depth: int = 2, log=None, verdict: str = "fail") -> "Bisector":
@@ -102,8 +105,13 @@ class Bisector:
                    item.id, session.limits, depth, log, errors_count=verdict in ERRORS)
 
     # -- one probe ------------------------------------------------------------------------
-    def probe(self, phase: str, label: str, outputs: list[str], stop=()) -> Probe:
-        p = run_probe(self.graph, self.backend, self.check, self.limits, self.run_root, phase, label, outputs, stop)
+    def probe(self, phase: str, label: str, outputs: list[str], stop=(), feed: dict | None = None,
+              keep: bool = False) -> Probe:
+        """Run one probe (`probe.run_probe`); its output values are kept only with `keep`."""
+        p = run_probe(self.graph, self.backend, self.check, self.limits, self.run_root, phase, label, outputs, stop,
+                      feed)
+        if not keep:
+            p.values = {}
         compiled = p.compile == "miss"
         self.counts["compiles" if compiled else "compile_hits"] += 1
         self.counts[f"{phase}_compiles"] += compiled
@@ -141,8 +149,19 @@ class Bisector:
         return module_boundaries(self.graph, {"kmodel." + p for p in self.step.module_path.split("+")}, self.depth,
                                  SKIP_MODULE_TYPES)
 
+    def can_tap(self, names) -> bool:
+        """Whether one program may return all these values: the backend runs here, the search is
+        about values (not about what does not compile), and they fit TAP_BYTES."""
+        return (not self.errors_count and self.backend.runnable()[0]
+                and sum(self.graph.nbytes(n) for n in names) <= TAP_BYTES)
+
     def module_stage(self) -> tuple[dict | None, list[dict], list]:
-        """(first module whose cut diverges, the table of probed cuts, float ops after the cut before it)."""
+        """(first diverging module, the module table, float ops after the cut before it).
+
+        One compiled program returns every module's outputs (from the step's own inputs, so each
+        carries everything before it); the first module whose error persists to the step's output
+        (`StepGraph.persisting`) is the divergence. When those values do not fit one program, or
+        it does not compile or run, a binary search over the module cuts (`by_cuts`)."""
         mods = self.modules()
         keep, _ = self.graph.closure(self.graph.outputs, [])
         cands = self.float_ops(keep)
@@ -152,6 +171,40 @@ class Bisector:
             i = index.get(m["last"])
             if i is not None and (not cuts or cuts[-1][0] != i):
                 cuts.append((i, m))
+        # every float value live at some module's cut: the modules' outputs and what crosses them,
+        # so the op stage can feed a module's ops the backend's own values of everything before
+        taps = list(dict.fromkeys([*(t for i, _ in cuts for t in self.live_at(cands, i, keep, self.graph.outputs)),
+                                   *(o for o in self.graph.outputs if o in index)]))
+        taps.sort(key=self.graph.pos.__getitem__)
+        p = self.probe("module", f"{len(cuts)} modules, {len(taps)} values", taps, keep=True) \
+            if self.can_tap(taps) else None
+        if p is None or not p.ran:
+            return self.by_cuts(cuts, cands, keep)
+        self.tapped = p
+        failing = set(p.failing)
+        self.persisting = self.graph.persisting(taps, failing, failing & set(self.graph.outputs))
+        table = []
+        for i, m in cuts:
+            own = [o for o in m["outputs"] if o in p.metrics or o in failing]
+            worst = max((p.metrics[o] for o in own if o in p.metrics), key=lambda x: _num(x.get("floor_ratio")),
+                        default={})
+            whys = [w for w in p.why.split("; ") if w.split(":")[0] in own]
+            status = "fail" if set(own) & set(self.persisting) else "pass"
+            why = "; ".join(whys) if status == "fail" else \
+                ("beyond the rule here, absorbed downstream: " + "; ".join(whys)) if whys else ""
+            table.append(ModuleCut(strip_kmodel(m["path"]), m["type"].rsplit(".", 1)[-1], status, cands[i].name,
+                                   i + 1, why, dict(worst)).row())
+        if not self.persisting:
+            return None, table, cands
+        first = index[self.persisting[0]]
+        j = next((j for j, (i, _) in enumerate(cuts) if i >= first), None)
+        if j is None:  # after the last module: the step's own ops at its end
+            return None, table, cands[(cuts[-1][0] + 1 if cuts else 0):]
+        return cuts[j][1], table, cands[(cuts[j - 1][0] + 1 if j > 0 else 0):cuts[j][0] + 1]
+
+    def by_cuts(self, cuts: list, cands: list, keep: set[str]) -> tuple[dict | None, list[dict], list]:
+        """The module stage as a binary search: the cut after module k outputs every value still
+        live there, so an error made anywhere before is seen at it."""
         rows = {}
 
         def fails(j: int) -> bool | None:
@@ -159,7 +212,7 @@ class Bisector:
             p = self.probe("module", strip_kmodel(m["path"]), self.live_at(cands, i, keep, self.graph.outputs))
             worst = max(p.metrics.values(), key=lambda x: _num(x.get("floor_ratio")), default={})
             rows[j] = ModuleCut(strip_kmodel(m["path"]), m["type"].rsplit(".", 1)[-1], p.status, cands[i].name,
-                                p.n_ops, p.why, dict(worst))
+                                i + 1, p.why, dict(worst))
             return self.diverges(p)
 
         found = first_failing(len(cuts), fails)
@@ -167,18 +220,33 @@ class Bisector:
         if found.index is None:
             return None, table, cands
         lo = cuts[found.index - 1][0] + 1 if found.index > 0 else 0
-        region = cands[lo:cuts[found.index][0] + 1]
-        return cuts[found.index][1], table, region
+        return cuts[found.index][1], table, cands[lo:cuts[found.index][0] + 1]
 
     # -- op stage -------------------------------------------------------------------------
     def op_stage(self, region: list | None = None) -> dict | None:
-        """The first float op (of `region`, default all) whose prefix cut diverges."""
+        """The first diverging float op of `region` (default: all): one program returning every op
+        of the region, judged like the module stage (an error that persists to the values the
+        module stage found persisting); else a binary search over prefix cuts."""
         graph = self.graph
         keep, _ = graph.closure(graph.outputs, [])
         cands = self.float_ops(keep)
         if not cands:
             return None
         names = [c.name for c in (region or cands)]
+        ends = set(names) & set(self.persisting) if self.persisting is not None else set(names) & set(graph.outputs)
+        if ends and self.can_tap(names):
+            label = f"{len(names)} ops {names[0]}..{names[-1]}"
+            if self.tapped is not None:  # the region alone, fed what the backend computed before it
+                before = [n.name for n in graph.nodes if graph.pos[n.name] < graph.pos[names[0]] and n.op != "get_attr"]
+                p = self.probe("bisect", label, names, before, feed=self.tapped.values)
+            else:
+                p = self.probe("bisect", label, names)
+            if p.ran:
+                found = graph.persisting(names, set(p.failing), ends & set(p.failing))
+                if not found:
+                    return {"n_nodes": len(names), "localized": False}
+                k = graph.node[found[0]]
+                return self.named(k, cands, p, p, None, None, len(names))
         index = {c.name: i for i, c in enumerate(cands)}
         probes: dict[int, Probe] = {}
 
@@ -190,8 +258,16 @@ class Bisector:
         found = first_failing(len(names), fails)
         if found.index is None:
             return {"n_nodes": len(names), "localized": False}
-        k = graph.node[names[found.index]]
-        before_probe = next((probes[j] for j in range(found.index - 1, -1, -1) if j in probes and probes[j].ran), None)
+        before = next((probes[j] for j in range(found.index - 1, -1, -1) if j in probes and probes[j].ran), None)
+        uncertain = found.uncertain_from
+        return self.named(graph.node[names[found.index]], cands, probes[found.index], before,
+                          names[found.index - 1] if found.index > 0 else None,
+                          names[uncertain] if uncertain is not None else None, len(names))
+
+    def named(self, k, cands: list, after: Probe, before_probe: Probe | None, previous: str | None,
+              uncertain_from: str | None, n_nodes: int) -> dict:
+        """The op stage's answer for op k: its inputs' errors, the op alone on exact inputs (local
+        or accumulated), and the repro's window."""
         before = {}
         for a in k.all_input_nodes:
             if a.op == "placeholder":
@@ -200,11 +276,9 @@ class Bisector:
                 before[a.name] = before_probe.metrics[a.name]
         local = self.probe("local", k.name, [k.name], [a.name for a in k.all_input_nodes if a.op != "get_attr"])
         window = local if self.diverges(local) else self.window(k, cands)
-        uncertain = found.uncertain_from
-        return {"n_nodes": len(names), "localized": True, "node": k, "after": probes[found.index], "before": before,
+        return {"n_nodes": n_nodes, "localized": True, "node": k, "after": after, "before": before,
                 "kind": _kind(self.diverges(local)), "local": local, "window": window,
-                "previous": names[found.index - 1] if found.index > 0 else None,
-                "uncertain_from": names[uncertain] if uncertain is not None else None}
+                "previous": previous, "uncertain_from": uncertain_from}
 
     def window(self, k, cands: list) -> Probe:
         """Accumulated: the shortest window ending at k that still fails (the latest start)."""
@@ -233,14 +307,21 @@ class Bisector:
         out["first_module"] = strip_kmodel(first["path"]) if first else None
         out["region"] = f"module {out['first_module']}" if first else f"step {self.step.name}"
         self.log(f"op-level bisection in {out['region']}")
-        op = self.op_stage(region if first else None)
+        if self.persisting == []:  # every module's values computed in one program: none persists
+            op = {"n_nodes": len(region), "localized": False}
+        else:
+            op = self.op_stage(region)
         out["n_nodes"] = op["n_nodes"] if op else 0
         out["n_graph_ops"] = sum(1 for n in self.graph.nodes if n.op == "call_function")
         out["bisect_compiles"] = sum(1 for p in self.probes if p.phase == "bisect")
         out["probe_failures"] = [p.summary() for p in self.probes if not p.ran and not self.errors_count]
         if not op or not op["localized"]:
             out["status"] = "not_localized"
-            out["message"] = (f"every probe of {out['region']} passes on {self.backend.name}: the failure is not in "
+            out["message"] = (f"no value of {out['region']} on {self.backend.name} carries an error to the step's output "
+                              f"(values beyond the rule are absorbed downstream, see the module table): the failure "
+                              f"is not in a node's value (a shape, the valid region, or a crash of the whole program?)"
+                              if self.persisting == [] else
+                              f"every probe of {out['region']} passes on {self.backend.name}: the failure is not in "
                               f"a node's value (a shape, the valid region, or a crash of the whole program?)")
         else:
             out.update(localized(op))
@@ -262,7 +343,7 @@ def localized(op: dict) -> dict:
     local = op["local"]
     first_op = {
         "node": k.name, "op": str(k.target), "module": module_path(k), "source": source_line(k),
-        "kind": op["kind"], "status": after.status,
+        "kind": op["kind"], "status": "fail" if k.name in after.failing else after.status,
         "why": next((w for w in after.why.split("; ") if w.startswith(k.name + ":")), after.why),
         "after": after.metrics.get(k.name, {}), "before": op["before"], "previous_node": op["previous"],
         "local": {"status": local.status, **key_metrics(local.metrics.get(k.name, {}))}}

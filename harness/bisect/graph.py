@@ -94,7 +94,7 @@ class StepGraph:
         self.inputs = dict(zip(placeholders, inputs))
         out = next(n for n in self.nodes if n.op == "output")
         self.outputs = [a.name for a in pytree.tree_leaves(out.args) if hasattr(a, "op")]
-        self._values32: dict[str, Any] = {}
+        self._values: dict[str, dict[str, Any]] = {}
 
     def closure(self, outputs: list[str], stop) -> tuple[set[str], list[str]]:
         """Nodes that `outputs` need, stopping at placeholders and at tensor-valued `stop` nodes
@@ -129,9 +129,15 @@ class StepGraph:
         metadata (module stack, source lines) are the step's."""
         import torch.fx as fx
 
+        import torch
+
         keep, inputs = self.closure(outputs, stop)
         graph = fx.Graph()
-        env = {}
+        env, out = {}, {}
+        # an output that a later node of the subprogram mutates in place (the generator's
+        # `xs += resblock(x)`) is returned as it was when computed: a copy taken at once
+        mutated = {n.args[0].name for n in self.nodes if n.name in keep and _mutates(n) and n.args
+                   and hasattr(n.args[0], "op")}
         for name in inputs:
             n = self.node[name]
             env[n] = graph.placeholder(name)
@@ -139,17 +145,67 @@ class StepGraph:
         for n in self.nodes:
             if n.name in keep and n not in env:
                 env[n] = graph.node_copy(n, lambda a: env[a])
-        graph.output(tuple(env[self.node[o]] for o in outputs))
+                if n.name in mutated and n.name in outputs:
+                    out[n.name] = graph.create_node("call_function", torch.ops.aten.clone.default, (env[n],),
+                                                    name=f"{n.name}__at_its_time")
+                    out[n.name].meta = dict(n.meta)
+        graph.output(tuple(out.get(o, env[self.node[o]]) for o in outputs))
         return fx.GraphModule(self.gm, graph), inputs
 
     def values32(self, names: list[str]) -> list:
         """fp32 reference values of step nodes (the FX interpreter on the item's inputs)."""
-        missing = [n for n in names if n not in self._values32 and n not in self.inputs]
-        if missing:
-            gm, inputs = self.carve(missing)
-            for name, v in zip(missing, evaluate(gm, [self.inputs[i] for i in inputs], "float32")):
-                self._values32[name] = v
-        return [self.inputs[n] if n in self.inputs else self._values32[n] for n in names]
+        return self.values(names, "float32")
+
+    def values(self, names: list[str], dtype: str = "float32") -> list:
+        """Reference values of step nodes computed from the step's own inputs in `dtype` (float32:
+        what eager computes; float64: the reference), each node evaluated once per dtype."""
+        cache = self._values.setdefault(dtype, {})
+        missing = [n for n in dict.fromkeys(names) if n not in cache and n not in self.inputs]
+        if missing:  # from the values already known (the same ops on the same inputs: the same values)
+            gm, inputs = self.carve(missing, list(cache))
+            args = [cache[i] if i in cache else self.inputs[i] for i in inputs]
+            for name, v in zip(missing, evaluate(gm, args, dtype)):
+                cache[name] = v
+        own = lambda n: self.inputs[n].double() if dtype == "float64" and self.inputs[n].is_floating_point() \
+            else self.inputs[n]  # noqa: E731
+        return [own(n) if n in self.inputs else cache[n] for n in names]
+
+    def persisting(self, taps: list[str], failing: set[str], ends: set[str]) -> list[str]:
+        """The failing taps whose error reaches a failing `end` through failing taps, in graph order.
+
+        A tap's error persists when a tap it feeds (the nearest ones downstream, through untapped
+        nodes) fails and persists too, or when it is an end itself. So a value that leaves the
+        rule but is absorbed on the way (SineGen's phase on XNNPACK: 4x its floor, the audio at
+        0.95x) is not read as the divergence, and a branch that the error never enters (the
+        noise path beside a faulty resblock) does not break the chain either."""
+        tapped, last = set(taps), max((self.pos[t] for t in taps), default=-1)
+        reached: dict[str, bool] = {}
+        for name in sorted(taps, key=self.pos.__getitem__, reverse=True):
+            if name not in failing:
+                reached[name] = False
+                continue
+            ok, stack, seen = name in ends, [u for u in self.node[name].users], set()
+            while stack and not ok:
+                u = stack.pop()
+                if u.name in seen or self.pos.get(u.name, last + 1) > last:
+                    continue
+                seen.add(u.name)
+                if u.name in tapped:
+                    ok = reached.get(u.name, False)
+                else:
+                    stack.extend(u.users)
+            reached[name] = ok
+        return [t for t in sorted(taps, key=self.pos.__getitem__) if reached[t]]
+
+    def nbytes(self, name: str) -> int:
+        """The size of a node's value from its traced metadata (a symbolic size by its hint)."""
+        val = self.node[name].meta.get("val")
+        if not hasattr(val, "shape"):
+            return 0
+        count = 1
+        for d in val.shape:
+            count *= int(d) if isinstance(d, int) else int(d.node.hint or 1)
+        return count * val.element_size()
 
 
 def _as_float64(gm):

@@ -7,14 +7,14 @@ backend's `artifact_key`), so a probe compiled for one fault or item is reused b
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
 from .graph import BisectError, evaluate, restore_names
 
-BISECT_VERSION = 5  # bump when carving or exporting probes changes: it invalidates cached probes
+BISECT_VERSION = 7  # bump when carving or exporting probes changes: it invalidates cached probes
 PROBE_METRICS = (  # what a probe keeps of each output's metrics
     "rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "cosine", "nan_rate", "new_nonfinite")
 NO_ANSWER = ("compile_error", "run_error", "crashed", "timeout")  # statuses of a probe that did not run
@@ -42,6 +42,8 @@ class Probe:
     seconds: float = 0.0
     timing: dict[str, float] = field(default_factory=dict)
     log: str = ""
+    fed: list[str] = field(default_factory=list)  # inputs fed the backend's own values (`run_probe(feed=)`)
+    values: dict[str, Any] = field(default_factory=dict, repr=False)  # what the backend returned; not saved
 
     @property
     def ran(self) -> bool:
@@ -58,7 +60,8 @@ class Probe:
         return True if errors_count else None
 
     def summary(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("outputs", "key") and v not in ("", {}, [])}
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("outputs", "key", "values")}
+        return {k: v for k, v in own.items() if v not in ("", {}, [])}
 
 
 def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list, str, Path]:
@@ -91,10 +94,12 @@ def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list,
     return gm, in_names, inputs, key, entry
 
 
-def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits) -> tuple[str | None, Any, bool]:
+def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
+                    inputs_path: Path | None = None) -> tuple[str | None, Any, bool]:
     """Compile (through the artifact cache) and run, in child processes; on a cache miss both
-    happen in one child, which halves the interpreter start-ups of a bisection. Returns (the
-    phase that failed or None, JobResult, compiled now?)."""
+    happen in one child, which halves the interpreter start-ups of a bisection. Runs on the
+    probe's own inputs unless `inputs_path` is given. Returns (the phase that failed or None,
+    JobResult, compiled now?)."""
     from ..plumbing import cache
     from ..plumbing.jobs import run_job
 
@@ -102,7 +107,8 @@ def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits)
     outputs_path = run_dir / "outputs.pt"
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs_path.unlink(missing_ok=True)
-    run_kwargs = dict(backend=backend.name, inputs_path=str(entry / "inputs.pt"), outputs_path=str(outputs_path))
+    run_kwargs = dict(backend=backend.name, inputs_path=str(inputs_path or entry / "inputs.pt"),
+                      outputs_path=str(outputs_path))
     if cache.lookup("artifacts", key):
         result = run_job("harness.backends:run_artifact_job",
                          dict(run_kwargs, artifact_path=str(cache.entry("artifacts", key) / backend.artifact_name)),
@@ -156,9 +162,14 @@ def compile_only(backend, probe_key: str, entry: Path, limits) -> tuple[str | No
 
 
 def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: str, outputs: list[str],
-              stop=()) -> Probe:
+              stop=(), feed: dict | None = None) -> Probe:
     """Compile and run the subprogram computing `outputs` (inputs: `stop`) on the backend, and
-    judge each output with `check` against its own fp32/fp64 references."""
+    judge each output with `check` against its own fp32/fp64 references.
+
+    `feed`: values for the subprogram's inputs that the backend itself computed (a tapped run's
+    outputs); the outputs then carry the error made before them and are judged against the step's
+    references, as if the whole prefix had run, without compiling it. The outputs stay in
+    `Probe.values` (not serialized), for the next probe's feed."""
     import torch
 
     start = time.monotonic()
@@ -167,8 +178,14 @@ def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: 
     probe.timing["export_s"] = round(time.monotonic() - start, 2)
     run_dir = run_root / key[:16]
     runnable, not_here = backend.runnable()
+    fed_path = None
+    if feed and runnable:
+        probe.fed = sorted(set(feed) & set(in_names))
+        fed_path = run_dir / "fed_inputs.pt"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_tensors(fed_path, [canonical(feed[n]) if n in feed else x for n, x in zip(in_names, inputs)])
     if runnable:
-        failed, result, compiled = compile_and_run(backend, key, entry, run_dir, limits)
+        failed, result, compiled = compile_and_run(backend, key, entry, run_dir, limits, fed_path)
     else:
         failed, result, compiled = compile_only(backend, key, entry, limits)
     probe.timing["compile_run_s"] = round(result.seconds, 2) if result is not None else 0.0
@@ -185,17 +202,22 @@ def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: 
         if len(got) != len(outputs):
             probe.status, probe.why = "run_error", f"run: {len(got)} outputs, expected {len(outputs)}"
         else:
-            _judge(probe, gm, inputs, got, check)
+            if fed_path or all(name in graph.inputs for name in in_names):  # the step's own references
+                refs = graph.values(outputs, "float32"), graph.values(outputs, "float64")
+            else:
+                refs = evaluate(gm, inputs, "float32"), evaluate(gm, inputs, "float64")
+            _judge(probe, got, refs, check)
+            probe.values = dict(zip(outputs, got))
     probe.seconds = round(time.monotonic() - start, 2)
     return probe
 
 
-def _judge(probe: Probe, gm, inputs: list, got: list, check) -> None:
+def _judge(probe: Probe, got: list, refs: tuple[list, list], check) -> None:
     import torch
 
     from ..metrics.tensor import compare_to_floor
 
-    ref32, ref64 = evaluate(gm, inputs, "float32"), evaluate(gm, inputs, "float64")
+    ref32, ref64 = refs
     whys = []
     for name, out, r32, r64 in zip(probe.outputs, got, ref32, ref64):
         if tuple(out.shape) != tuple(r64.shape):

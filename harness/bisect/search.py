@@ -61,3 +61,4 @@ def first_failing(n: int, fails: Callable[[int], bool | None], max_skip: int = 3
         i += 1
     result.index = i if i < n else None
     return result
+

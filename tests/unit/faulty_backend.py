@@ -17,8 +17,6 @@ import tempfile
 from pathlib import Path
 
 from harness.backends import Backend, get_backend
-from harness.backends.eager import EagerBackend
-from harness.backends.executorch import XnnpackBackend
 
 FAULT_ENV = "KOKORO_PARITY_FAULT"
 KINDS = ("nan", "scale", "sign", "shift", "jitter")
@@ -117,19 +115,21 @@ class _Faulty(Backend):
                 "    return run_base_backend(program, inputs)\n")
 
 
-class FaultyEager(_Faulty):
-    name = "faulty-eager"
-    base = "eager"
-    requires = EagerBackend.requires
-    patches = EagerBackend.patches
-    artifact_name = EagerBackend.artifact_name
-    description = "TEST ONLY: eager with one node corrupted ($KOKORO_PARITY_FAULT)"
+def faulty(base: str) -> type[_Faulty]:
+    """The test backend `faulty-<base>`: the registered backend `base` with one node corrupted."""
+    b = type(get_backend(base))
+    return type(f"Faulty_{base.replace('-', '_')}", (_Faulty,), {
+        "name": f"faulty-{base}", "base": base, "requires": b.requires, "patches": b.patches,
+        "artifact_name": b.artifact_name, "run_requires": b.run_requires,
+        "description": f"TEST ONLY: {base} with one node corrupted ($KOKORO_PARITY_FAULT)"})
 
 
-class FaultyXnnpack(_Faulty):
-    name = "faulty-xnnpack"
-    base = "xnnpack"
-    requires = XnnpackBackend.requires
-    patches = XnnpackBackend.patches
-    artifact_name = XnnpackBackend.artifact_name
-    description = "TEST ONLY: ExecuTorch+XNNPACK with one node corrupted ($KOKORO_PARITY_FAULT)"
+FaultyEager = faulty("eager")
+FaultyXnnpack = faulty("xnnpack")
+FaultyPortable = faulty("portable")
+FaultyOnnxruntime = faulty("onnxruntime")
+FaultyTvm = faulty("tvm")
+
+BASES = {"eager": "FaultyEager", "xnnpack": "FaultyXnnpack", "portable": "FaultyPortable",
+         "onnxruntime": "FaultyOnnxruntime", "tvm": "FaultyTvm"}
+EXTRA = ",".join(f"faulty-{b}=tests.unit.faulty_backend:{cls}" for b, cls in BASES.items())  # the registry's value

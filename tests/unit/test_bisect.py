@@ -25,10 +25,10 @@ from harness.bisect import Bisector, StepGraph, evaluate, module_path, restore_n
 from harness.report import format_bisect
 from harness.verdict import Tolerance
 
+from .faulty_backend import EXTRA as FAULTY
 from .faulty_backend import FAULT_ENV, insert_fault
 
 REPO = Path(__file__).resolve().parents[2]
-FAULTY = "faulty-eager=tests.unit.faulty_backend:FaultyEager,faulty-xnnpack=tests.unit.faulty_backend:FaultyXnnpack"
 
 
 @pytest.fixture(scope="module")
@@ -183,18 +183,18 @@ def test_record_and_report_carry_the_bisection():
     assert Record.from_dict(json.loads(json.dumps(rec.to_dict()))).bisect == b
     text = item_table(rec)
     assert "first diverging op `conv1d_3` (aten.conv1d.default, LOCAL) in decoder.encode.conv2" in text
-    assert "kokoro/istftnet.py:379" in text and "11 probes for 1000 float nodes" in text
+    assert "kokoro/istftnet.py:379" in text and "11 programs tapping 1000 float nodes" in text
 
 
 # ---- slow: real bisections ---------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_clean_backend_localizes_nothing(programs, env, tmp_path):
-    """~30 s: the cut after the last module and the whole step pass, so there is nothing to name
-    or bundle, and the module stage stops after that one probe (a binary search finds no failure)."""
+    """~30 s: one program tapping every module cut passes, so there is nothing to name or bundle;
+    the module table reads PASS for every module, from that one compile."""
     result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth=1)
     assert result["status"] == "not_localized"
-    assert result["first_module"] is None and len(result["modules"]) == 1
+    assert result["first_module"] is None and len(result["modules"]) == 6 and result["module_compiles"] == 1
     assert all(r["status"] == "pass" for r in result["modules"])
     assert not (tmp_path / "reports" / "repro").exists()
 
@@ -216,9 +216,9 @@ def test_fault_in_duration_encoder_is_named(programs, env, tmp_path, module, op,
         target = next(u.name for u in graph.node[node].users if u.args[1] == 0)
     result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth, f"node={target},kind={kind}")
     assert_named(result, target, module)
-    if depth:  # the module stage: a binary search over the 6 module cuts, not a probe per module
+    if depth:  # the module stage: one program tapping the 6 module cuts, not a probe per module
         assert result["first_module"] == module
-        assert result["module_compiles"] <= 1 + math.ceil(math.log2(6))
+        assert result["module_compiles"] == 1
 
 
 # Early, middle and late in the decoder's 1,000 float nodes. With random weights the generator's
@@ -235,11 +235,28 @@ DECODER_FAULTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("module,op,kind", DECODER_FAULTS, ids=["encode-nan", "decode.2-nan", "conv_post-sign"])
 def test_fault_in_decoder_is_named(programs, env, tmp_path, module, op, kind):
-    """~2 min each: 1 + ceil(log2 1000) = 11 prefix compiles and 1 of the op alone."""
+    """~1 min each: one program tapping all 1,000 float nodes (small shapes), and the op alone."""
     node = pick(*programs["decoder"], module, op)
     result = bisect(env, programs, "decoder", "faulty-eager", tmp_path, 0, f"node={node},kind={kind}")
     assert_named(result, node, module)
     assert result["n_nodes"] > 900
+
+
+@pytest.mark.slow
+def test_module_stage_feeds_the_op_stage_the_backends_values(programs, env, tmp_path):
+    """~1 min: at depth 2 the module stage taps every module's values in one program, names the
+    module, and the op stage compiles that module's ops alone, fed the backend's own values of
+    everything before it (no second compile of the prefix): 3 compiles in all."""
+    module = "decoder.generator.resblocks.1.convs1.1"
+    node = pick(*programs["decoder"], module, "aten.conv1d.default")
+    result = bisect(env, programs, "decoder", "faulty-eager", tmp_path, 2, f"node={node},kind=nan")
+    assert_named(result, node, module)
+    assert result["first_module"] == "decoder.generator.resblocks.1" and result["compiles"] == 3
+    ops = next(p for p in result["probes"] if p["phase"] == "bisect")
+    assert ops["fed"] and ops["n_ops"] < 200  # the module's ops, not the prefix
+    rows = [r["module"] for r in result["modules"]]
+    first = rows.index(result["first_module"])
+    assert all(r["status"] == "pass" for r in result["modules"][:first])  # every module before the fault
 
 
 @pytest.mark.slow
@@ -292,11 +309,16 @@ def test_repro_reproduces_alone_in_a_fresh_process(programs, env, tmp_path):
 
 
 @pytest.mark.slow
-def test_fault_on_xnnpack_is_named(programs, env, tmp_path):
-    """~2 min: the same localization through ExecuTorch+XNNPACK lowering and runtime, on one
-    AdaLayerNorm of the duration encoder carved out as its own program (lowering the whole
-    step's LSTMs costs 1-2 min per probe), and the repro reproduces through ExecuTorch too."""
-    pytest.importorskip("executorch")
+@pytest.mark.parametrize("base", ["xnnpack", "portable", "onnxruntime", "tvm"])
+def test_fault_on_a_compiling_backend_is_named(programs, env, tmp_path, base):
+    """~1-2 min each: the same localization through each compiling backend's own lowering and
+    runtime (ExecuTorch+XNNPACK, ExecuTorch portable kernels, ONNX Runtime, TVM Relax), on one
+    AdaLayerNorm of the duration encoder carved out as its own program (lowering the whole step's
+    LSTMs costs 1-2 min per probe); on XNNPACK the repro bundle reproduces through ExecuTorch too."""
+    from harness.backends import get_backend
+
+    if not get_backend(base).available()[0]:
+        pytest.skip(f"{base} is not installed: {get_backend(base).available()[1]}")
     program_path, inputs = programs["duration_encoder"]
     b = Bisector(program_path, "k", inputs, "eager", Tolerance(), "duration_encoder", tmp_path, "k", depth=1)
     module = next(m for m in b.modules() if m["path"].endswith("lstms.3"))
@@ -307,12 +329,14 @@ def test_fault_on_xnnpack_is_named(programs, env, tmp_path):
     torch.export.save(sub, str(tmp_path / "ada.pt2"))
     node = pick(program_path, inputs, "predictor.text_encoder.lstms.3", "aten.add.Tensor", last=True)
     env.setenv(FAULT_ENV, f"node={node},kind=sign")
-    result = Bisector(tmp_path / "ada.pt2", "ada", values, "faulty-xnnpack", Tolerance(), "duration_encoder",
-                      tmp_path / "reports", "t-ada-xnnpack", depth=0).run(verify=True)
+    verify = base == "xnnpack"
+    result = Bisector(tmp_path / "ada.pt2", "ada", values, f"faulty-{base}", Tolerance(), "duration_encoder",
+                      tmp_path / "reports", f"t-ada-{base}", depth=0).run(verify=verify)
     print(format_bisect(result))
     assert_named(result, node, "predictor.text_encoder.lstms.3")
-    assert result["repro"]["reproduces"], result["repro"]
-    assert "executorch" in (Path(result["repro"]["path"]) / "repro.py").read_text()
+    if verify:
+        assert result["repro"]["reproduces"], result["repro"]
+        assert "executorch" in (Path(result["repro"]["path"]) / "repro.py").read_text()
 
 
 # ---- repro templates of the other backends ----------------------------------------------------
