@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install parity matrix test heavy-tests bench profile clean-cache nightly dashboard upstream
+.PHONY: install parity matrix test heavy-tests bench bench-bisect profile clean-cache nightly dashboard upstream
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ dashboard: install
 bench: install
 	$(BIN)/python benchmarks/bench.py $(ARGS)
 	$(BIN)/python benchmarks/target_overhead.py
+	$(MAKE) bench-bisect
+
+# Bisection through each compiling backend: one seeded decoder fault each (en_short, dynamic), with
+# its compiles and wall time; the 10-fault trial of issue 22 is BISECT_FAULTS=10 BISECT_BACKENDS=xnnpack.
+BISECT_BACKENDS ?= xnnpack portable onnxruntime tvm
+BISECT_FAULTS ?= 1
+bench-bisect: install
+	for b in $(BISECT_BACKENDS); do \
+		$(BIN)/python benchmarks/bisect_trial.py --backend $$b --faults $(BISECT_FAULTS) --kinds nan \
+			--report-dir reports/bisect-trial/$$b || exit 1; done
 
 # Two xdist workers (the machines here have 2 cores; most slow tests wait on child processes), and
 # the slowest tests named at the end so that CI time stays visible.

@@ -36,6 +36,7 @@ __all__ = ["BISECTABLE", "BisectError", "Bisector", "StepGraph", "bisect_item", 
 BISECTABLE = ("fail", "run_error", "crashed", "compile_error")
 ERRORS = ("run_error", "crashed", "compile_error")  # item verdicts whose probes localize an error, not a value
 TAP_BYTES = 1 << 30  # the tapped values one compiled probe may return
+JUMP = 100.0  # an error that grows this much at one value is a defect there, not noise carried along
 SKIP_MODULE_TYPES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.",
                      "torch.nn.modules.linear.Identity")
 
@@ -183,24 +184,41 @@ class Bisector:
         self.tapped = p
         failing = set(p.failing)
         self.persisting = self.graph.persisting(taps, failing, failing & set(self.graph.outputs))
+        origin = self.origin(self.persisting, taps, p)
         table = []
         for i, m in cuts:
             own = [o for o in m["outputs"] if o in p.metrics or o in failing]
             worst = max((p.metrics[o] for o in own if o in p.metrics), key=lambda x: _num(x.get("floor_ratio")),
                         default={})
             whys = [w for w in p.why.split("; ") if w.split(":")[0] in own]
-            status = "fail" if set(own) & set(self.persisting) else "pass"
+            carried = set(own) & set(self.persisting)
+            status = "fail" if carried and i >= index.get(origin, len(cands)) else "pass"
             why = "; ".join(whys) if status == "fail" else \
-                ("beyond the rule here, absorbed downstream: " + "; ".join(whys)) if whys else ""
+                ("beyond the rule here, carried into a larger error downstream: " if carried else
+                 "beyond the rule here, absorbed downstream: ") + "; ".join(whys) if whys else ""
             table.append(ModuleCut(strip_kmodel(m["path"]), m["type"].rsplit(".", 1)[-1], status, cands[i].name,
                                    i + 1, why, dict(worst)).row())
         if not self.persisting:
             return None, table, cands
-        first = index[self.persisting[0]]
+        first = index[origin]
         j = next((j for j, (i, _) in enumerate(cuts) if i >= first), None)
         if j is None:  # after the last module: the step's own ops at its end
             return None, table, cands[(cuts[-1][0] + 1 if cuts else 0):]
         return cuts[j][1], table, cands[(cuts[j - 1][0] + 1 if j > 0 else 0):cuts[j][0] + 1]
+
+    def origin(self, persisting: list[str], taps: list[str], p: Probe) -> str | None:
+        """Where the persisting error starts: the first value whose error jumps JUMP-fold over its
+        inputs' (a NaN, a sign flip, a wrong kernel), else the first persisting value (an error
+        that accumulates). A backend's noise beyond the rule upstream of a real defect (SineGen on
+        XNNPACK, 4x its floor) is carried into the chain but does not start it."""
+        if not persisting:
+            return None
+        metrics = p.metrics
+        if self.tapped is not None and p is not self.tapped:  # the op stage: its inputs' errors are the module stage's
+            metrics = {**self.tapped.metrics, **p.metrics}
+            taps = list(dict.fromkeys([*taps, *self.tapped.metrics]))
+        jumps = self.graph.jumps(taps, metrics)
+        return next((t for t in persisting if jumps.get(t, 1.0) >= JUMP), persisting[0])
 
     def by_cuts(self, cuts: list, cands: list, keep: set[str]) -> tuple[dict | None, list[dict], list]:
         """The module stage as a binary search: the cut after module k outputs every value still
@@ -245,7 +263,7 @@ class Bisector:
                 found = graph.persisting(names, set(p.failing), ends & set(p.failing))
                 if not found:
                     return {"n_nodes": len(names), "localized": False}
-                k = graph.node[found[0]]
+                k = graph.node[self.origin(found, names, p)]
                 return self.named(k, cands, p, p, None, None, len(names))
         index = {c.name: i for i, c in enumerate(cands)}
         probes: dict[int, Probe] = {}

@@ -163,6 +163,8 @@ class StepGraph:
         missing = [n for n in dict.fromkeys(names) if n not in cache and n not in self.inputs]
         if missing:  # from the values already known (the same ops on the same inputs: the same values)
             gm, inputs = self.carve(missing, list(cache))
+            if any(i not in cache and i not in self.inputs for i in inputs):  # a value mutated in place
+                gm, inputs = self.carve(missing)  # was pulled inside: from the step's inputs then
             args = [cache[i] if i in cache else self.inputs[i] for i in inputs]
             for name, v in zip(missing, evaluate(gm, args, dtype)):
                 cache[name] = v
@@ -196,6 +198,37 @@ class StepGraph:
                     stack.extend(u.users)
             reached[name] = ok
         return [t for t in sorted(taps, key=self.pos.__getitem__) if reached[t]]
+
+    def jumps(self, taps: list[str], metrics: dict[str, dict]) -> dict[str, float]:
+        """How much each tap's error (its ratio to its fp32 floor) grows over the largest of its
+        nearest tapped (or input) ancestors': a NaN made from finite inputs jumps infinitely, a value
+        that carries its inputs' error along jumps ~1."""
+        import math
+
+        def ratio(name: str) -> float:
+            m = metrics.get(name)
+            if m is None:
+                return 1.0  # an input of the step, or an untapped value: exact
+            if m.get("nan_rate") or m.get("new_nonfinite") or m.get("inf_rate"):
+                return math.inf
+            r = m.get("floor_ratio", 1.0)
+            return math.inf if r is None or math.isnan(r) else max(r, 1.0)
+
+        tapped, out = set(taps), {}
+        for name in taps:
+            up, stack, seen = [], list(self.node[name].all_input_nodes), set()
+            while stack:
+                a = stack.pop()
+                if a.name in seen or a.op == "get_attr":
+                    continue
+                seen.add(a.name)
+                if a.name in tapped or a.op == "placeholder":
+                    up.append(ratio(a.name))
+                else:
+                    stack.extend(a.all_input_nodes)
+            before, now = max(up, default=1.0), ratio(name)
+            out[name] = 1.0 if math.isinf(before) else now / before
+        return out
 
     def nbytes(self, name: str) -> int:
         """The size of a node's value from its traced metadata (a symbolic size by its hint)."""

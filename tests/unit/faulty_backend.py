@@ -22,13 +22,17 @@ FAULT_ENV = "KOKORO_PARITY_FAULT"
 KINDS = ("nan", "scale", "sign", "shift", "jitter")
 
 
-def parse_fault(text: str | None) -> dict | None:
+def parse_fault(text: str | None) -> list[dict] | None:
+    """One fault, or several separated by ';' (a small error upstream of a large one)."""
     if not text:
         return None
-    fault = dict(part.split("=", 1) for part in text.split(",") if part)
-    if fault.get("kind") not in KINDS or not ({"node", "op"} & set(fault)):
-        raise ValueError(f"{FAULT_ENV}={text!r}: want node=<name> or op=<aten op>, and kind= one of {KINDS}")
-    return fault
+    faults = []
+    for one in text.split(";"):
+        fault = dict(part.split("=", 1) for part in one.split(",") if part)
+        if fault.get("kind") not in KINDS or not ({"node", "op"} & set(fault)):
+            raise ValueError(f"{FAULT_ENV}={text!r}: want node=<name> or op=<aten op>, and kind= one of {KINDS}")
+        faults.append(fault)
+    return faults
 
 
 def insert_fault(program, fault: dict):
@@ -95,7 +99,9 @@ class _Faulty(Backend):
             return self._base.compile(program_path, out_dir)
         with tempfile.TemporaryDirectory() as tmp:
             faulty = Path(tmp) / "program.pt2"
-            program = insert_fault(torch.export.load(str(program_path)), fault)
+            program = torch.export.load(str(program_path))
+            for one in fault:
+                program = insert_fault(program, one)
             torch.export.save(program, str(faulty))
             audit = self._base.compile(faulty, out_dir)
         return {**(audit or {}), "injected_fault": fault}
@@ -110,8 +116,8 @@ class _Faulty(Backend):
         return (f"{inspect.getsource(insert_fault)}\n\n{base}\n\nFAULT = {fault!r}\n\n\n"
                 "def run_backend(program, inputs):\n"
                 "    \"\"\"The 'backend bug' of this test backend: one node computed wrongly.\"\"\"\n"
-                "    if FAULT:\n"
-                "        program = insert_fault(program, FAULT)\n"
+                "    for one in FAULT or []:\n"
+                "        program = insert_fault(program, one)\n"
                 "    return run_base_backend(program, inputs)\n")
 
 
