@@ -44,11 +44,14 @@ def cmd_run(args) -> int:
     items = [] if args.artifact and not args.backend else session.items(backends, args.step, modes)
     items += artifact_items(session, [a for a in args.artifact if not a.startswith("e2e=")], modes)
     items += port_items(session, [a for a in args.artifact if a.startswith("e2e=")])
+    from . import progress
+
     records = []
     try:
         for item in items:
-            rec = (check_artifact(session, item) if isinstance(item, ArtifactItem) else
-                   run_port_item(session, item) if isinstance(item, PortItem) else session.run(item))
+            with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
+                rec = (check_artifact(session, item) if isinstance(item, ArtifactItem) else
+                       run_port_item(session, item) if isinstance(item, PortItem) else session.run(item))
             records.append(rec)
             print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
     finally:
@@ -69,9 +72,12 @@ def _run_ports(args, specs: list[str]) -> int:
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile))
     session.noise_k = args.noise_k
+    from . import progress
+
     records = []
     for item in port_items(session, specs):
-        rec = run_port_item(session, item)
+        with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
+            rec = run_port_item(session, item)
         if args.bisect and not rec.verdict.ok:
             from .port.onnx_stages import localize_item
 
@@ -220,28 +226,31 @@ def cmd_drift(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    """Join the records of several shards (report dirs) into one report dir."""
-    import json
+    """Join several shards' report dirs (records, counts and every file their items wrote) into one."""
+    from .merge import merge_shards
 
-    from .plumbing.files import atomic_write_json
-    from .record import read_records
+    result = merge_shards(args.dirs, args.out)
+    for shard in result.shards:
+        print(f"{shard.path}: {len(shard.records)} records, {len(shard.files)} files")
+    print(f"merged {result.n_records} records and {result.n_files} files into {result.out}")
+    return 0
 
-    seen: dict[str, str] = {}
-    for d in args.dirs:
-        records = read_records(Path(d) / "records")
-        for rec in records:
-            if rec.item_id in seen:
-                raise ValueError(f"item {rec.item_id} is in two shards ({seen[rec.item_id]} and {d})")
-            seen[rec.item_id] = d
-            rec.write(args.out / "records")
-        counts = {}
-        for p in (Path(d) / "counts").glob("*.json"):
-            for k, v in json.loads(p.read_text()).items():
-                counts[k] = counts.get(k, 0) + v
-        if counts:
-            atomic_write_json(args.out / "counts" / f"{Path(d).name}.json", counts)
-        print(f"{d}: {len(records)} records")
-    print(f"merged {len(seen)} records into {args.out / 'records'}")
+
+def cmd_profile(args) -> int:
+    """ExecuTorch's own per-operator profile (ETDump) of one item's .pte: delegated vs not."""
+    from .profile import markdown, profile_item
+    from .runner import Item, Session
+    from .verdict import Profile
+
+    session = Session(weights=args.weights, case_ids=[args.case], report_dir=args.report_dir,
+                      profile=Profile.load(None), extra_patches=tuple(args.with_patch))
+    try:
+        table, out = profile_item(session, Item(args.case, args.step, args.backend, args.mode), repeat=args.repeat)
+    except RuntimeError as e:  # the item did not compile, or the profiled run failed: the reason, not a traceback
+        print(f"kokoro-parity: profile: {e}", file=sys.stderr)
+        return 1
+    print(markdown(table, top=args.top))
+    print(f"profile: {out / 'operators.md'}, {out / 'operators.csv'}, ETDump {out / 'etdump.etdp'}")
     return 0
 
 
@@ -409,6 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dirs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(fn=cmd_merge)
+    p = sub.add_parser("profile", help="ExecuTorch's per-operator run time (ETDump, devtools Inspector) of one item's "
+                                       ".pte, split into delegated and not; writes <report-dir>/profile/<item>/")
+    p.add_argument("--case", required=True)
+    p.add_argument("--step", required=True)
+    p.add_argument("--backend", required=True, help="an ExecuTorch backend: xnnpack or portable")
+    p.add_argument("--mode", choices=("dynamic", "static"), default="static")
+    p.add_argument("--repeat", type=int, default=3, help="runs; the first is a warm-up, left out when there are more")
+    p.add_argument("--top", type=int, default=15, help="operators printed (the files have all)")
+    p.add_argument("--weights")
+    p.add_argument("--report-dir", default="reports", type=Path)
+    p.add_argument("--with-patch", action="append", default=[])
+    p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("drift", help="rewrite drift of the static references (no backend), per case and step")
     p.add_argument("--case", action="append")
     p.add_argument("--step", action="append")

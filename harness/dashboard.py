@@ -59,7 +59,7 @@ METRIC_ROWS = ("rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "floor_max_ab
                "nan_rate", "inf_rate", "new_nonfinite", "ref_peak")
 KNOWN_FIELDS = {"case", "step", "backend", "mode", "verdict", "reason", "metrics", "rewrite_drift", "patch_drift",
                 "patches", "semantic_patches", "audit", "timings", "cache", "peak_rss_mb", "artifact_bytes", "model",
-                "versions", "log", "audio", "schema", "bisect", "repro_dir", "audio_metrics", "durations"}
+                "versions", "log", "audio", "schema", "bisect", "repro_dir", "audio_metrics", "durations", "real_time"}
 AUDIO_ROWS = (("pesq", "PESQ (1–4.64)"), ("mcd_db", "MCD (dB)"), ("logmel_corr", "log-mel correlation"),
               ("logmel_mad_db", "log-mel MAD (dB)"), ("mrstft", "multi-resolution STFT distance"),
               ("rms_ratio_db", "RMS ratio (dB)"), ("snr_db", "SNR (dB)"), ("length_ratio", "length ratio"),

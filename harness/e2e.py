@@ -19,7 +19,7 @@ import torch
 from .metrics.audio import audio_metrics, write_wav
 from .metrics.tensor import compare_to_floor
 from .model import SAMPLE_RATE, SAMPLES_PER_FRAME
-from .record import Record
+from .record import Record, real_time
 from .reference import SYNTH_BUCKETS, pad_inputs, synthesizer_reference
 from .steps import get_step, round_durations
 from .verdict import Verdict, judge
@@ -77,6 +77,9 @@ def run_e2e(session, r, rec: Record) -> Record:
     audio = synthesize(pred, "backend")
     if audio is None:
         return rec
+    rec.real_time = real_time(rec.timings.get("duration_stage.run_s", 0.0) +  # both programs, the backend's durations
+                              rec.timings.get(f"synthesizer{rec.durations['bucket_backend']}.run_s", 0.0),
+                              audio.shape[-1] / SAMPLE_RATE)
     forced = synthesize(pred_ref, "forced") if differ else audio
     if forced is None:
         return rec

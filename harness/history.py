@@ -64,6 +64,32 @@ def as_float(v: Any) -> float:
         return math.nan
 
 
+# Timings that are work done for an item (any stage tag, e.g. `duration_stage.compile_s`); `run_s` is
+# inside `run_job_s`, `compile_wait_s` is waiting for memory, not work.
+WORK_TIMINGS = ("export_s", "compile_s", "run_job_s", "transport_s")
+
+
+def item_seconds(rec: dict[str, Any]) -> float:
+    """Seconds of work an item took: its export, compile and run jobs (every stage) and its
+    bisection. What a merged entry sums, since the shards' wall clocks are not in their records."""
+    t = sum(as_float(v) for k, v in (rec.get("timings") or {}).items() if k.endswith(WORK_TIMINGS))
+    b = rec.get("bisect")
+    t += as_float(b.get("seconds", 0)) if isinstance(b, dict) else 0.0
+    return t if math.isfinite(t) else 0.0
+
+
+def work_counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Exports, compiles and runs as the records' timings show them (a job that ran has its
+    seconds; a cache hit has none): the work of a report dir whose processes wrote no counts
+    (`kokoro-parity run`), counted the way pytest's counts are."""
+    out = {"exports": 0, "compiles": 0, "runs": 0}
+    for rec in records:
+        for k in rec.get("timings") or {}:
+            for key, suffix in (("exports", "export_s"), ("compiles", "compile_s"), ("runs", "run_job_s")):
+                out[key] += k.endswith(suffix)
+    return out
+
+
 # ----------------------------------------------------------------------------- one run
 
 @dataclass
@@ -382,8 +408,7 @@ def junit_xml(run: Run, regressions: list[Regression], has_baseline: bool) -> st
     n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     total = 0.0
     for rec in run.records:
-        t = sum(as_float(rec.get("timings", {}).get(k, 0)) for k in ("export_s", "compile_s", "run_job_s"))
-        t = t if math.isfinite(t) else 0.0
+        t = item_seconds(rec)
         total += t
         case = ET.SubElement(suite, "testcase", classname=f"kokoro_parity.{rec['step']}.{rec['backend']}",
                              name=item_id(rec), time=f"{t:.3f}")
@@ -430,8 +455,10 @@ class NightlyResult:
     junit_path: Path | None
 
     def summary(self) -> str:
+        c = self.run.counts
         lines = [f"run {self.run.id}: {len(self.run.records)} items {self.run.verdict_counts} -> {self.path}",
-                 f"junit: {self.junit_path}"]
+                 f"work: exports {c.get('exports', 0)}, compiles {c.get('compiles', 0)}, runs {c.get('runs', 0)}; "
+                 f"{self.run.duration_s:.1f} s", f"junit: {self.junit_path}"]
         if self.regressions:
             lines.append(f"{len(self.regressions)} regression(s) against earlier runs:")
             lines += [f"  {r}" for r in self.regressions]
@@ -482,7 +509,12 @@ def record_run(records_dir: str | os.PathLike, history_dir: str | os.PathLike, *
                junit_path: str | os.PathLike | None = None, factor: float = DEFAULT_FACTOR,
                selection: dict[str, Any] | None = None, profile=None) -> NightlyResult:
     """A history entry from records that are already written (e.g. shards joined by
-    `kokoro-parity merge`), compared and reported exactly like a nightly run."""
+    `kokoro-parity merge`), compared and reported exactly like a nightly run. Its work counts are
+    the sum of the report dir's `counts/` (one file per shard or pytest process; without any, what
+    the records' timings show: `work_counts`) and its duration
+    the sum of the items' work seconds (`item_seconds`): shards run on several machines at once,
+    so this is the matrix's cost, not a wall time (`selection.duration` says so)."""
+    from .merge import read_manifest
     from .verdict import Profile
 
     history_dir = Path(history_dir)
@@ -500,8 +532,20 @@ def record_run(records_dir: str | os.PathLike, history_dir: str | os.PathLike, *
     run = new_run(history_dir, selection or {}, sorted({r["backend"] for r in records}))
     run.records = records
     run.selection.update(items=len(records), from_records=str(records_dir),
-                         tolerances=profile_dict(profile or Profile.load()))
-    return _finish(run, earlier, history_dir, junit_path, factor, 0.0)
+                         tolerances=profile_dict(profile or Profile.load()),
+                         duration="sum of the items' export, compile, run and bisection seconds")
+    manifest = read_manifest(Path(records_dir).parent)
+    if manifest:
+        run.selection["shards"] = manifest.get("shards", [])
+    for path in sorted((Path(records_dir).parent / "counts").glob("*.json")):
+        try:
+            for k, v in json.loads(path.read_text(encoding="utf-8")).items():
+                run.counts[k] = run.counts.get(k, 0) + int(v)
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise HistoryError(f"{path}: not a counts file: {e}") from None
+    if not run.counts:  # no process wrote its counts (`kokoro-parity run`): the records' own
+        run.counts = work_counts(records)
+    return _finish(run, earlier, history_dir, junit_path, factor, sum(item_seconds(r) for r in records))
 
 
 def _finish(run: Run, earlier: History, history_dir: Path, junit_path, factor: float, seconds: float) -> NightlyResult:

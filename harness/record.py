@@ -59,6 +59,7 @@ class Record:
     precision: str = "float32"  # what the backend computes in; float16 items are judged by the float16 floor
     shippable: bool | None = None  # harness.verdict.shippable: audio bars / durations vs float64; None: n/a
     shippable_reason: str = ""
+    real_time: dict[str, float] = field(default_factory=dict)  # audio items: rtf = run_s / audio_s (`real_time`)
     schema: str = SCHEMA
 
     @property
@@ -85,6 +86,15 @@ class Record:
 
     def write(self, directory: Path) -> Path:
         return atomic_write_json(Path(directory) / f"{self.item_id}.json", self.to_dict())
+
+
+def real_time(run_s: float | None, audio_s: float | None) -> dict[str, float]:
+    """The real-time factor of an audio item: the runtime's seconds (loading the artifact and running
+    it, as `run_s` measures) per second of audio it made; above 1 is slower than real time. Empty
+    when either figure is missing."""
+    if not run_s or not audio_s or run_s < 0 or audio_s <= 0:
+        return {}
+    return {"rtf": run_s / audio_s, "run_s": run_s, "audio_s": audio_s}
 
 
 def _finite_json(obj: Any) -> Any:

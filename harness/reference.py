@@ -159,21 +159,26 @@ def cast(inputs: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]
 
 
 def compute_traces(model: LoadedModel, case: Case, steps: tuple[str, ...] | None = None) -> CaseTraces:
-    chain, valid, pred_dur = run_chain(model, case, synthesize=not steps or not set(steps) <= set(DURATION_STAGE))
+    from . import progress
+
+    with progress.phase("references: Kokoro's chain", subject=case.id):
+        chain, valid, pred_dur = run_chain(model, case, synthesize=not steps or not set(steps) <= set(DURATION_STAGE))
     traces = CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
     for mode in MODES:
         km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
         km64 = to_float64(copy.deepcopy(km32))
-        for step in STEPS:
-            if steps and step.name not in steps:
-                continue
-            base = ({k: chain[k] for k in step.input_names} if mode == "dynamic"
-                    else pad_inputs(step, chain, valid, traces.bucket))
-            for dtype, km in (("float32", km32), ("float64", km64)):
-                inputs = cast(base, dtype)
-                with torch.no_grad():
-                    outputs = as_outputs(step, step.module(km)(*inputs.values()))
-                traces.io[(step.name, mode, dtype)] = (inputs, outputs)
+        for dtype, km in (("float32", km32), ("float64", km64)):
+            with progress.phase("references", subject=f"{case.id} {mode} {dtype}") as shown:
+                for step in STEPS:
+                    if steps and step.name not in steps:
+                        continue
+                    shown.update(step.name)
+                    base = ({k: chain[k] for k in step.input_names} if mode == "dynamic"
+                            else pad_inputs(step, chain, valid, traces.bucket))
+                    inputs = cast(base, dtype)
+                    with torch.no_grad():
+                        outputs = as_outputs(step, step.module(km)(*inputs.values()))
+                    traces.io[(step.name, mode, dtype)] = (inputs, outputs)
     return traces
 
 
@@ -222,13 +227,16 @@ def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
                       graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
+        from . import progress
+
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
         km64 = to_float64(copy.deepcopy(km32))
         s = get_step(step)
         out = {}
         for dtype, km in (("float32", km32), ("float64", km64)):
-            with torch.no_grad():
-                out[dtype] = as_outputs(s, s.module(km)(*traces.inputs(step, mode, dtype).values()))
+            with progress.phase("references with " + "+".join(variant), subject=f"{case.id} {step} {mode} {dtype}"):
+                with torch.no_grad():
+                    out[dtype] = as_outputs(s, s.module(km)(*traces.inputs(step, mode, dtype).values()))
         atomic_write(tmp / "outputs.pt", lambda f: torch.save(out, f))
 
     entry, _ = cache.get_or_build("variants", key, build)
@@ -284,12 +292,14 @@ def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, va
     chain = traces.chain
 
     def build(tmp):
+        from . import progress
+
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
         km64 = to_float64(copy.deepcopy(km32))
         inputs = {k: chain[k] for k in step.input_names}
         out = {}
         for dtype, km in (("float32", km32), ("float64", km64)):
-            with torch.no_grad():
+            with progress.phase("references: the synthesizer", subject=f"{case.id} {dtype}"), torch.no_grad():
                 out[dtype] = step.module(km)(*cast(inputs, dtype).values())
         atomic_write(tmp / "audio.pt", lambda f: torch.save(out, f))
 
@@ -324,8 +334,11 @@ def float16_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
                       mode, variant, graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
+        from . import progress
+
         km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
-        out = run16(get_step(step), km, traces.inputs(step, mode, "float32"))
+        with progress.phase("references in float16", subject=f"{case.id} {step} {mode}"):
+            out = run16(get_step(step), km, traces.inputs(step, mode, "float32"))
         atomic_write(tmp / "outputs.pt", lambda f: torch.save(out, f))
 
     entry, _ = cache.get_or_build("variants", key, build)

@@ -44,6 +44,9 @@ def item_table(rec: Record) -> str:
         keys = ("pesq", "mcd_db", "logmel_corr", "logmel_mad_db", "rms_ratio_db", "mrstft", "snr_db", "length_ratio")
         rows = [[name, *(_fmt(a.get(k)) for k in keys)] for name, a in rec.audio_metrics.items()]
         lines.append(tabulate(rows, headers=["audio", *keys], tablefmt="simple"))
+    if rec.real_time:
+        rt = rec.real_time
+        lines.append(f"real-time factor {_fmt(rt['rtf'])}: {rt['run_s']:.2f} s of run time for {rt['audio_s']:.2f} s of audio")
     if rec.durations:
         lines.append("durations: " + ", ".join(f"{k} {v}" for k, v in rec.durations.items()))
     lines += port_lines(rec)
@@ -147,6 +150,8 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
         if audio is not None and r.verdict.value in ("pass", "fail") and not nan_rate:
             cell += f" PESQ {_fmt(audio.get('pesq'))}"
         cell += shippable_cell(r)
+        if r.real_time.get("rtf") and r.verdict.value in ("pass", "fail"):
+            cell += f" RTF {_fmt(r.real_time['rtf'])}"
         drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
         if r.verdict.value not in ("pass", "fail") and r.reason:
             cell += f" ({r.reason.split(';')[0][:60]})"
@@ -169,11 +174,11 @@ def format_bisect(b: dict) -> str:
     lines = []
     rows = b.get("modules") or []
     if rows:
-        lines.append(f"bisect, module stage ({len(rows)} module cuts probed, each with everything before it; "
+        lines.append(f"bisect, module stage ({len(rows)} module cuts judged, each with everything before it; "
                      f"{b.get('module_compiles', 0)} compiles):")
         table = [[r["module"], r["type"], r["status"].upper(), r["n_ops"], _fmt(r.get("rel_l2")),
                   _fmt(r.get("floor_rel_l2")), _fmt(r.get("floor_ratio"))] for r in rows]
-        lines.append(tabulate(table, headers=["module", "type", "cut after it", "ops", "rel_l2", "floor", "ratio"],
+        lines.append(tabulate(table, headers=["module", "type", "cut after it", "float ops to it", "rel_l2", "floor", "ratio"],
                               tablefmt="simple"))
         lines.append(f"first failing module: {b.get('first_module') or 'none (every module cut passes)'}")
     if b.get("status") != "localized":
@@ -192,7 +197,7 @@ def format_bisect(b: dict) -> str:
         lines.append(f"  alone on exact inputs: {f['local']['status']} -> {f['kind']}")
         if f.get("uncertain_from"):
             lines.append(f"  or from {f['uncertain_from']} on: the probes between could not run")
-    lines.append(f"  op bisection in {b.get('region')}: {b.get('bisect_compiles', 0)} probes for {b.get('n_nodes', 0)} "
+    lines.append(f"  op search in {b.get('region')}: {b.get('bisect_compiles', 0)} programs tapping {b.get('n_nodes', 0)} "
                  f"float nodes (log2 = {math.log2(max(b.get('n_nodes', 1), 1)):.1f}); total compiles "
                  f"{b.get('compiles', 0)} (+{b.get('compile_hits', 0)} cached), runs {b.get('runs', 0)}, {b.get('seconds')} s")
     for p in b.get("probe_failures") or []:

@@ -189,7 +189,12 @@ class Session:
             return run_e2e(self, r, rec)
         outputs = self.execute(backend, item.step, r.traces.inputs(item.step, item.mode, "float32"), r.patches, rec,
                                item.id)
-        return rec if outputs is None else self.judge(rec, r, outputs)
+        if outputs is None:
+            return rec
+        from . import progress
+
+        with progress.phase("judging"):
+            return self.judge(rec, r, outputs)
 
     # -- export, compile, run ---------------------------------------------------------------
     def execute(self, backend: Backend, step: str, inputs: dict, patches: list[str], rec: Record,
@@ -237,18 +242,28 @@ class Session:
                  tag: str = "", target=None) -> Path | None:
         """The backend's compiled artifact (once per program and backend version); with a remote
         `target`, compiled there (`compile_where = "target"`) and cached here per target."""
-        key = backend.artifact_key(program_key)
-        make = lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"), out_dir=str(tmp))  # noqa: E731
-        if target is None:
-            entry, result = cached_job("artifacts", key, "harness.backends:compile_job", self.limits.compile_s, make,
-                                       self.counts, admission_key=f"compile/{backend.name}/{step}")
-        else:
-            from .plumbing.targets import compile_on_target
+        from . import progress
+        from .plumbing import cache
 
-            entry, result = compile_on_target(target, backend, key, make, self.limits.compile_s, self.counts)
+        key = backend.artifact_key(program_key)
+        here = {"audit_dir": str(program_dir / "audits")} if target is None else {}  # the op audit, kept by program
+        make = lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"),  # noqa: E731
+                                out_dir=str(tmp), **here)
+        to_build = target is not None or cache.lookup("artifacts", key) is None
+        with progress.phase(f"lowering {tag}".strip("_. "), active=to_build):
+            if target is None:
+                entry, result = cached_job("artifacts", key, "harness.backends:compile_job", self.limits.compile_s,
+                                           make, self.counts, admission_key=f"compile/{backend.name}/{step}")
+            else:
+                from .plumbing.targets import compile_on_target
+
+                entry, result = compile_on_target(target, backend, key, make, self.limits.compile_s, self.counts)
         rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
         if result is not None:
             self.counts["compiles"] += 1
+            cached = (result.value or {}).get("audit_cached")
+            if cached is not None:
+                self.counts["audits_hits" if cached else "audits_misses"] += 1
             rec.timings[f"{tag}compile_s"] = result.seconds
             if result.extra.get("admission_wait_s"):
                 rec.timings[f"{tag}compile_wait_s"] = result.extra["admission_wait_s"]
@@ -272,12 +287,17 @@ class Session:
         run_dir = self.report_dir / "runs" / run_name
         save_tensors(run_dir / "inputs.pt", inputs)
         target = self.target_for(rec.target.get("name") or "local")
+        from . import progress
+
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
-            result = target.run_job("harness.backends:run_artifact_job",
-                                    dict(backend=backend.name, artifact_path=str(artifact_path),
-                                         inputs_path=str(run_dir / "inputs.pt"), outputs_path=str(run_dir / "outputs.pt")),
-                                    run_dir, self.limits.run_s,
-                                    files=dict(artifact_path="artifact_entry", inputs_path="input", outputs_path="output"))
+            with progress.phase(f"running {tag}".strip("_. ")):
+                result = target.run_job("harness.backends:run_artifact_job",
+                                        dict(backend=backend.name, artifact_path=str(artifact_path),
+                                             inputs_path=str(run_dir / "inputs.pt"),
+                                             outputs_path=str(run_dir / "outputs.pt")),
+                                        run_dir, self.limits.run_s,
+                                        files=dict(artifact_path="artifact_entry", inputs_path="input",
+                                                   outputs_path="output"))
         except TargetUnreachable as e:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; target {target.name!r} unreachable: {e}"
             return None
@@ -315,6 +335,10 @@ class Session:
         rec.shippable, rec.shippable_reason = j.shippable, j.shippable_reason
         if j.audio_metrics:
             from .metrics.audio import write_audio
+            from .record import real_time
+
+            audio_s = max(a.get("duration_s", 0) for a in j.audio_metrics.values())
+            rec.real_time = real_time(rec.timings.get("run_s"), audio_s)
 
             wavs = {n: (refs.fp64[n], out) for n, out in zip(names, outputs) if n in audio_names}
             rec.audio.update(write_audio(self.report_dir, item.id, wavs, valid))

@@ -131,6 +131,7 @@ class OnnxRuntimeBackend(Backend):
     patches = ONNX_PATCHES
     artifact_name = ONNX_NAME
     audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate"}
+    audit_requires = ("onnxscript",)  # the exporter's registry; tvm-onnx shares this audit of a program
     description = "torch.onnx.export (dynamo, TorchScript fallback) -> onnxruntime CPU"
 
     def audit(self, program_path: Path) -> dict:
@@ -187,10 +188,8 @@ class TvmOnnxBackend(Backend):
     def version(self) -> str:
         return f"{tvm_version()},{super().version()}"
 
-    def audit(self, program_path: Path) -> dict:
-        import torch
-
-        return exporter_gaps(torch.export.load(str(program_path)))
+    audit = OnnxRuntimeBackend.audit  # the same exporter gaps: one audit per program for both (audit_key)
+    audit_requires = OnnxRuntimeBackend.audit_requires
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         import onnx
