@@ -76,10 +76,13 @@ def input_feed(artifact_path: Path, graph_inputs: list[str], inputs: list) -> di
     if len(names) != len(inputs):
         raise ValueError(f"{len(inputs)} inputs given, the program has {len(names)} ({names})")
     by_name = dict(zip(names, inputs))
-    missing = [n for n in graph_inputs if n not in by_name]
+    # the exporter calls an input that the program mutates in place `<name>_orig` (a bisection probe
+    # carved around SineGen's `rand_ini[:, 0] = 0`)
+    own = {n: n if n in by_name else n[:-len("_orig")] for n in graph_inputs}
+    missing = [n for n, m in own.items() if m not in by_name]
     if missing:
         raise ValueError(f"ONNX inputs {missing} are not inputs of the program ({names})")
-    return {n: by_name[n] for n in graph_inputs}
+    return {n: by_name[own[n]] for n in graph_inputs}
 
 
 ORT_REPRO_RUNNER = '''def run_backend(program, inputs):
