@@ -303,7 +303,7 @@ def test_repro_reproduces_alone_in_a_fresh_process(programs, env, tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     assert "REPRODUCED" in p.stdout and "LOADED []" in p.stdout
     text = (bundle / "repro.py").read_text()
-    (bundle / "repro.py").write_text(text.replace("\nFAULT = {", "\nFAULT = None and {"))  # the 'fix'
+    (bundle / "repro.py").write_text(text.replace("\nFAULT = [", "\nFAULT = None and ["))  # the 'fix'
     p = run()
     assert p.returncode == 0, p.stdout + p.stderr
     assert "not reproduced" in p.stdout and "LOADED []" in p.stdout
