@@ -505,6 +505,18 @@ def nightly(records: Iterable[Record], history_dir: str | os.PathLike, *, n_item
     return _finish(run, earlier, history_dir, junit_path, factor, time.monotonic() - start)
 
 
+MANIFEST = "merge.json"  # `kokoro-parity merge`'s list of its shards (harness.merge writes it)
+
+
+def read_manifest(report_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The merge's summary of its shards, when `report_dir` was made by `harness.merge.merge_shards`."""
+    p = Path(report_dir) / MANIFEST
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def record_run(records_dir: str | os.PathLike, history_dir: str | os.PathLike, *,
                junit_path: str | os.PathLike | None = None, factor: float = DEFAULT_FACTOR,
                selection: dict[str, Any] | None = None, profile=None) -> NightlyResult:
@@ -514,7 +526,6 @@ def record_run(records_dir: str | os.PathLike, history_dir: str | os.PathLike, *
     the records' timings show: `work_counts`) and its duration
     the sum of the items' work seconds (`item_seconds`): shards run on several machines at once,
     so this is the matrix's cost, not a wall time (`selection.duration` says so)."""
-    from .merge import read_manifest
     from .verdict import Profile
 
     history_dir = Path(history_dir)

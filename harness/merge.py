@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
 
+from .history import MANIFEST, HistoryError, _check_record, item_id, item_seconds, work_counts
 from .plumbing.files import atomic_write, atomic_write_json
 
 DERIVED = ("history", "dashboard", "junit")  # made from the records: never merged, rebuilt from the result
 OWN = ("records", "counts")  # merged by meaning, not copied
-MANIFEST = "merge.json"  # the merge's list of its shards (a shard made by a merge has its own: not copied)
 
 
 @dataclass
@@ -34,8 +34,6 @@ class Shard:
     empty_dirs: list[str] = field(default_factory=list)  # e.g. a bisection probe's directory that kept nothing
 
     def summary(self) -> dict[str, Any]:
-        from .history import item_seconds
-
         return {"path": str(self.path), "records": len(self.records), "files": len(self.files),
                 "counts": self.counts, "item_seconds": round(sum(item_seconds(r) for r in self.records.values()), 3)}
 
@@ -56,8 +54,6 @@ class MergeResult:
 
 def read_shard(path: str | Path) -> Shard:
     """A shard's records (validated), its other files and its summed counts; errors name the file."""
-    from .history import HistoryError, _check_record
-
     path = Path(path)
     if not (path / "records").is_dir():
         raise FileNotFoundError(f"{path}: not a report dir (no records/ directory)")
@@ -78,8 +74,6 @@ def read_shard(path: str | Path) -> Shard:
         except (OSError, ValueError, AttributeError, TypeError) as e:
             raise ValueError(f"{p}: not a counts file: {e}") from None
     if not shard.counts:  # its processes wrote none (`kokoro-parity run`): what its records show
-        from .history import work_counts
-
         shard.counts = work_counts(shard.records.values())
     mine = [p for p in path.rglob("*") if p.relative_to(path).parts[0] not in (*DERIVED, *OWN, MANIFEST)]
     shard.files = sorted(p.relative_to(path).as_posix() for p in mine if p.is_file())
@@ -125,8 +119,6 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path) -> MergeResult:
     """Join the shards' report dirs into `out`. Raises ValueError when an item is in two shards, a
     file is in two shards with different contents, or `out` already holds records or counts of
     another run (they would be summed into this one); nothing is written then."""
-    from .history import item_id
-
     out = Path(out)
     shards = [read_shard(d) for d in shard_dirs]
     owner: dict[str, Shard] = {}  # item id -> the shard it comes from
@@ -166,12 +158,3 @@ def _count_names(shards: list[Shard]) -> list[str]:
     """One counts file name per shard: its directory's name, numbered when two share one."""
     names = [s.path.resolve().name or "shard" for s in shards]
     return [n if names.count(n) == 1 else f"{n}-{i + 1}" for i, n in enumerate(names)]
-
-
-def read_manifest(report_dir: str | Path) -> dict[str, Any] | None:
-    """The merge's summary of its shards, when `report_dir` was made by `merge_shards`."""
-    p = Path(report_dir) / MANIFEST
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
