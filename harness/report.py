@@ -163,6 +163,14 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     return tabulate(table, headers=["case", "step", "mode", "rewrite drift", *backends], tablefmt=tablefmt)
 
 
+def _cut_status(row: dict) -> str:
+    """PASS, FAIL, ...; a value beyond the rule whose error does not start the divergence says so."""
+    why = row.get("why") or ""
+    note = (", absorbed" if why.startswith("beyond the rule here, absorbed") else
+            ", carried" if why.startswith("beyond the rule here, carried") else "")
+    return row["status"].upper() + (note if row["status"] == "pass" else "")
+
+
 def format_bisect(b: dict) -> str:
     """The bisection's lines under an item's metric table."""
     if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
@@ -176,7 +184,7 @@ def format_bisect(b: dict) -> str:
     if rows:
         lines.append(f"bisect, module stage ({len(rows)} module cuts judged, each with everything before it; "
                      f"{b.get('module_compiles', 0)} compiles):")
-        table = [[r["module"], r["type"], r["status"].upper(), r["n_ops"], _fmt(r.get("rel_l2")),
+        table = [[r["module"], r["type"], _cut_status(r), r["n_ops"], _fmt(r.get("rel_l2")),
                   _fmt(r.get("floor_rel_l2")), _fmt(r.get("floor_ratio"))] for r in rows]
         lines.append(tabulate(table, headers=["module", "type", "cut after it", "float ops to it", "rel_l2", "floor", "ratio"],
                               tablefmt="simple"))
