@@ -9,6 +9,7 @@ the clean backend by force: it must localize nothing.
 
     python benchmarks/bisect_trial.py --backend xnnpack --case en_short --mode dynamic --faults 10
     python benchmarks/bisect_trial.py --backend xnnpack --case en_short --mode dynamic --clean
+    python benchmarks/bisect_trial.py --backend xnnpack --faults 10 --band-from xnnpack   # with a band
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def main() -> int:
     p.add_argument("--clean", action="store_true", help="bisect the clean backend by force instead")
     p.add_argument("--report-dir", type=Path, default=REPO / "reports" / "bisect-trial")
     p.add_argument("--with-patch", action="append", default=[])
+    p.add_argument("--band-from", help="bisect against this backend's values (e.g. the clean --backend)")
     args = p.parse_args()
 
     from harness.bisect import bisect_item
@@ -83,7 +85,7 @@ def main() -> int:
             row.update(result="nothing to localize (item inside its floor)")
         else:
             b = bisect_item(session, item, rec, depth=args.depth, verify=False,
-                            log=lambda line: print(line, flush=True))
+                            log=lambda line: print(line, flush=True), band_from=args.band_from)
             named = (b.get("first_op") or {}).get("node")
             row.update(named=named, named_module=(b.get("first_op") or {}).get("module"),
                        first_module=b.get("first_module"), compiles=b.get("compiles"),

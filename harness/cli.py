@@ -141,7 +141,7 @@ def cmd_bisect(args) -> int:
         return 0 if rec.verdict.ok else 1
     print(f"{item.id}: {rec.verdict.value.upper()} {rec.reason}\nbisecting ...", flush=True)
     bisect_item(session, item, rec, depth=args.depth, verify=not args.no_verify,
-                log=lambda line: print(line, flush=True))
+                log=lambda line: print(line, flush=True), band_from=args.band_from)
     print(item_table(rec))
     return 0 if rec.verdict.ok else 1
 
@@ -407,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true", help="do not run the written repro.py")
     p.add_argument("--force", action="store_true",
                    help="bisect a passing item too (a clean backend must localize nothing: a check of the rule)")
+    p.add_argument("--band-from", metavar="BACKEND",
+                   help="a build of this backend known to be right (the previous runtime version, the build without "
+                        "your change): values as far from float64 as its own are not where the defect starts")
     p.add_argument("--weights")
     p.add_argument("--report-dir", default="reports", type=Path)
     p.add_argument("--profile")

@@ -48,6 +48,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--bisect", action="store_true",
                 help="after a failing item, localize the first diverging module and op on the backend and "
                      "write a standalone repro to <report-dir>/repro/<item>/ (see docs/bisection.md)")
+    g.addoption("--bisect-band-from", default=None, metavar="BACKEND",
+                help="bisect against a band: a build of the backend known to be right (e.g. the previous runtime "
+                     "version); its own deviations from float64 are not named (docs/bisection.md)")
     g.addoption("--bisect-depth", type=int, default=2,
                 help="module levels below the step's module whose cuts are searched before the ops (0: ops only)")
     g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
@@ -353,7 +356,8 @@ def check_parity(request: pytest.FixtureRequest):
             from .bisect import BISECTABLE, bisect_item
 
             if rec.verdict.value in BISECTABLE:  # fills rec.bisect and rewrites the record
-                bisect_item(_session(request.config), item, rec, depth=request.config.getoption("--bisect-depth"))
+                bisect_item(_session(request.config), item, rec, depth=request.config.getoption("--bisect-depth"),
+                            band_from=request.config.getoption("--bisect-band-from"))
         if rec.verdict is not Verdict.PASS:
             pytest.fail(item_table(rec), pytrace=False)
         return rec

@@ -166,8 +166,8 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
 def _cut_status(row: dict) -> str:
     """PASS, FAIL, ...; a value beyond the rule whose error does not start the divergence says so."""
     why = row.get("why") or ""
-    note = (", absorbed" if why.startswith("beyond the rule here, absorbed") else
-            ", carried" if why.startswith("beyond the rule here, carried") else "")
+    note = next((f", {word}" for start, word in (("absorbed", "absorbed"), ("carried", "carried"), ("as ", "in band"))
+                 if why.startswith("beyond the rule here, " + start)), "")
     return row["status"].upper() + (note if row["status"] == "pass" else "")
 
 
@@ -184,10 +184,17 @@ def format_bisect(b: dict) -> str:
     if rows:
         lines.append(f"bisect, module stage ({len(rows)} module cuts judged, each with everything before it; "
                      f"{b.get('module_compiles', 0)} compiles):")
+        band = b.get("band")
         table = [[r["module"], r["type"], _cut_status(r), r["n_ops"], _fmt(r.get("rel_l2")),
-                  _fmt(r.get("floor_rel_l2")), _fmt(r.get("floor_ratio"))] for r in rows]
-        lines.append(tabulate(table, headers=["module", "type", "cut after it", "float ops to it", "rel_l2", "floor", "ratio"],
+                  _fmt(r.get("floor_rel_l2")), _fmt(r.get("floor_ratio")),
+                  *([_fmt(r.get("band_rel_l2"))] if band else [])] for r in rows]
+        lines.append(tabulate(table, headers=["module", "type", "cut after it", "float ops to it", "rel_l2", "floor",
+                                              "ratio", *([f"from {band['backend']}"] if band else [])],
                               tablefmt="simple"))
+        if band:
+            lines.append(f"band: the same values on {band['backend']} ({band['status']}); "
+                         f"{len(band.get('within_band') or [])} values beyond the rule but within it"
+                         + (f": {band.get('why', '')[:160]}" if band["status"] not in ("pass", "fail") else ""))
         lines.append(f"first failing module: {b.get('first_module') or 'none (every module cut passes)'}")
     if b.get("status") != "localized":
         lines.append(f"bisect: not localized: {b.get('message')}")

@@ -11,6 +11,11 @@ cache, and judges each output against the same subprogram's fp32 and fp64 values
 - Op stage: the same search over the float ops between the previous module's cut and that one.
 - Local or accumulated: the op alone on exact inputs. If that passes, the error is accumulated,
   and the shortest window ending at the op that still fails is the repro.
+- A band (`band_from`): the same tapped program run on a build of the backend known to be right
+  (the previous runtime version, the build without your change). A value counts as diverging only
+  where the backend also leaves that build's value by more than the rule allows against float64:
+  the runtime's own legitimate deviation (XNNPACK's float cumsum in SineGen, 4x its floor) is then
+  not where a defect starts.
 - A probe that cannot compile or run, while the item's whole program could, has no answer: the
   search steps past it and never names it; it is kept as a finding (`probe_failures`). When the
   item itself did not compile or run, a probe that does not compile or run is the failure being
@@ -67,7 +72,8 @@ class Bisector:
 
     def __init__(self, program_path: Path, program_key: str, inputs: list, backend: str, tol, step: str,
                  report_dir: Path, item_id: str, limits=None, depth: int = 2,
-                 log: Callable[[str], None] | None = None, errors_count: bool = False):
+                 log: Callable[[str], None] | None = None, errors_count: bool = False,
+                 band_from: str | None = None):
         from ..backends import get_backend
         from ..runner import Limits
         from ..steps import get_step
@@ -88,9 +94,13 @@ class Bisector:
         self.run_root = self.report_dir / "runs" / item_id / "bisect"
         self.persisting: list[str] | None = None  # values whose error reaches the output (tapped module stage)
         self.tapped: Probe | None = None  # the module stage's tapped run, whose values feed the op stage
+        self.band = get_backend(band_from) if band_from else None  # what this backend does when right
+        self.band_result: dict | None = None
+        self.band_values: dict = {}
 
     @classmethod
-    def for_item(cls, session, item, depth: int = 2, log=None, verdict: str = "fail") -> "Bisector":
+    def for_item(cls, session, item, depth: int = 2, log=None, verdict: str = "fail",
+                 band_from: str | None = None) -> "Bisector":
         """The item's own program: the same key and cache entry as the runner's (programs.ensure_program)."""
         from ..backends import get_backend
         from ..programs import ensure_program
@@ -103,14 +113,14 @@ class Bisector:
             raise BisectError(f"the step does not export: {result.error}")
         return cls(entry / "program.pt2", key, list(inputs.values()), item.backend,
                    session.profile.for_(item.step, item.backend, item.mode), item.step, session.report_dir,
-                   item.id, session.limits, depth, log, errors_count=verdict in ERRORS)
+                   item.id, session.limits, depth, log, errors_count=verdict in ERRORS, band_from=band_from)
 
     # -- one probe ------------------------------------------------------------------------
     def probe(self, phase: str, label: str, outputs: list[str], stop=(), feed: dict | None = None,
-              keep: bool = False) -> Probe:
+              keep: bool = False, backend=None) -> Probe:
         """Run one probe (`probe.run_probe`); its output values are kept only with `keep`."""
-        p = run_probe(self.graph, self.backend, self.check, self.limits, self.run_root, phase, label, outputs, stop,
-                      feed)
+        p = run_probe(self.graph, backend or self.backend, self.check, self.limits,
+                      self.run_root / backend.name if backend else self.run_root, phase, label, outputs, stop, feed)
         if not keep:
             p.values = {}
         compiled = p.compile == "miss"
@@ -182,7 +192,7 @@ class Bisector:
         if p is None or not p.ran:
             return self.by_cuts(cuts, cands, keep)
         self.tapped = p
-        failing = set(p.failing)
+        failing = set(p.failing) if self.band is None else self.beyond_band(p, taps)
         self.persisting = self.graph.persisting(taps, failing, failing & set(self.graph.outputs))
         origin = self.origin(self.persisting, taps, p)
         table = []
@@ -193,9 +203,8 @@ class Bisector:
             whys = [w for w in p.why.split("; ") if w.split(":")[0] in own]
             carried = set(own) & set(self.persisting)
             status = "fail" if carried and i >= index.get(origin, len(cands)) else "pass"
-            why = "; ".join(whys) if status == "fail" else \
-                ("beyond the rule here, carried into a larger error downstream: " if carried else
-                 "beyond the rule here, absorbed downstream: ") + "; ".join(whys) if whys else ""
+            why = _module_why(status, whys, carried, self.band.name if whys and not failing & set(own) and self.band
+                              else None)
             table.append(ModuleCut(strip_kmodel(m["path"]), m["type"].rsplit(".", 1)[-1], status, cands[i].name,
                                    i + 1, why, dict(worst)).row())
         if not self.persisting:
@@ -205,6 +214,45 @@ class Bisector:
         if j is None:  # after the last module: the step's own ops at its end
             return None, table, cands[(cuts[-1][0] + 1 if cuts else 0):]
         return cuts[j][1], table, cands[(cuts[j - 1][0] + 1 if j > 0 else 0):cuts[j][0] + 1]
+
+    def beyond_band(self, p: Probe, outputs: list[str], stop=()) -> set[str]:
+        """The values of probe p that fail the rule *and* leave the band backend's own value there
+        by more than the rule allows against float64 (its floor multiple, or its tolerance): the
+        band's value stands in for float64, fp32 eager's error stays the floor. The band runs the
+        same probe (an op-stage region fed the band's own module-stage values, as p is fed the
+        backend's). Each value's `band_rel_l2` (distance to the band's value) and
+        `band_own_rel_l2` (the band's own error) go into p's metrics. Without a band run, the
+        rule alone."""
+        from ..metrics.tensor import error_metrics
+
+        first = self.band_result is None
+        b = self.probe("band", f"{self.band.name}: {p.label}", outputs, stop, feed=self.band_values if stop else None,
+                       keep=True, backend=self.band)
+        if first:
+            self.band_result = {"backend": self.band.name, "status": b.status, "within_band": [],
+                                **({"why": b.why} if not b.ran else {})}
+        if not b.ran:
+            self.log(f"  the band backend {self.band.name} did not run ({b.status}): judged by the rule alone")
+            return set(p.failing)
+        kept = set()
+        for t in outputs:
+            got, ref = p.values.get(t), b.values.get(t)
+            comparable = got is not None and ref is not None and tuple(got.shape) == tuple(ref.shape) \
+                and t in p.metrics
+            if comparable:
+                m = error_metrics(got, ref)
+                m["floor_rel_l2"] = p.metrics[t].get("floor_rel_l2", math.nan)
+                p.metrics[t]["band_rel_l2"] = m["rel_l2"]
+                p.metrics[t]["band_own_rel_l2"] = b.metrics.get(t, {}).get("rel_l2", math.nan)
+            if t not in p.failing:
+                continue
+            if comparable and self.check(m)[0]:
+                self.band_result["within_band"].append(t)
+            else:
+                kept.add(t)
+        if first:
+            self.band_values = b.values  # fed to the band's op-stage probe
+        return kept
 
     def origin(self, persisting: list[str], taps: list[str], p: Probe) -> str | None:
         """Where the persisting error starts: the first value whose error jumps JUMP-fold over its
@@ -256,11 +304,13 @@ class Bisector:
             label = f"{len(names)} ops {names[0]}..{names[-1]}"
             if self.tapped is not None:  # the region alone, fed what the backend computed before it
                 before = [n.name for n in graph.nodes if graph.pos[n.name] < graph.pos[names[0]] and n.op != "get_attr"]
-                p = self.probe("bisect", label, names, before, feed=self.tapped.values)
+                p = self.probe("bisect", label, names, before, feed=self.tapped.values, keep=self.band is not None)
             else:
                 p = self.probe("bisect", label, names)
             if p.ran:
-                found = graph.persisting(names, set(p.failing), ends & set(p.failing))
+                failing = set(p.failing) if self.band is None or self.tapped is None else \
+                    self.beyond_band(p, names, before)
+                found = graph.persisting(names, failing, ends & failing)
                 if not found:
                     return {"n_nodes": len(names), "localized": False}
                 k = graph.node[self.origin(found, names, p)]
@@ -321,6 +371,8 @@ class Bisector:
                                "searching": "errors" if self.errors_count else "values"}
         first, table, region = self.module_stage() if self.depth > 0 else (None, [], None)
         out["modules"] = table
+        if self.band_result is not None:
+            out["band"] = self.band_result
         out["module_compiles"] = self.counts["module_compiles"]
         out["first_module"] = strip_kmodel(first["path"]) if first else None
         out["region"] = f"module {out['first_module']}" if first else f"step {self.step.name}"
@@ -374,6 +426,15 @@ def localized(op: dict) -> dict:
             "window": {"label": op["window"].label, "n_ops": op["window"].n_ops, "status": op["window"].status}}
 
 
+def _module_why(status: str, whys: list[str], carried: set, band: str | None) -> str:
+    """Why a module reads as it does; a PASS beyond the rule says where its error went."""
+    if status == "fail" or not whys:
+        return "; ".join(whys)
+    where = ("carried into a larger error downstream" if carried else
+             f"as {band} does when right (the band)" if band else "absorbed downstream")
+    return f"beyond the rule here, {where}: " + "; ".join(whys)
+
+
 def _kind(local_diverges: bool | None) -> str:
     return {True: "local", False: "accumulated", None: "undetermined"}[local_diverges]
 
@@ -385,15 +446,17 @@ def _num(v) -> float:
 # ---- entry point ----------------------------------------------------------------------------
 
 def bisect_item(session, item, record=None, depth: int = 2, repro: bool = True, verify: bool = True,
-                log: Callable[[str], None] | None = None) -> dict:
-    """Localize one item; the result goes into `record.bisect` (rewritten) when given."""
+                log: Callable[[str], None] | None = None, band_from: str | None = None) -> dict:
+    """Localize one item; the result goes into `record.bisect` (rewritten) when given. `band_from`:
+    a backend that is right where this one fails (see Bisector.beyond_band)."""
     import traceback
 
     from ..plumbing.jobs import first_error_line
 
     verdict = record.verdict.value if record is not None else "fail"
     try:
-        result = Bisector.for_item(session, item, depth=depth, log=log, verdict=verdict).run(repro=repro, verify=verify)
+        result = Bisector.for_item(session, item, depth=depth, log=log, verdict=verdict,
+                                   band_from=band_from).run(repro=repro, verify=verify)
     except Exception as e:  # noqa: BLE001 - a bisection that cannot run is reported, not raised
         result = {"status": "error", "message": first_error_line(e), "traceback": traceback.format_exc()[-4000:]}
     if record is not None:

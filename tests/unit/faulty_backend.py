@@ -81,6 +81,7 @@ def insert_fault(program, fault: dict):
 
 class _Faulty(Backend):
     base = ""
+    fault_env = FAULT_ENV
 
     def __init__(self) -> None:
         self._base = get_backend(self.base)
@@ -89,12 +90,12 @@ class _Faulty(Backend):
         return self._base.available()
 
     def version(self) -> str:
-        return f"{self._base.version()}+fault[{os.environ.get(FAULT_ENV, '')}]"
+        return f"{self._base.version()}+fault[{os.environ.get(self.fault_env, '')}]"
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         import torch
 
-        fault = parse_fault(os.environ.get(FAULT_ENV))
+        fault = parse_fault(os.environ.get(self.fault_env))
         if fault is None:
             return self._base.compile(program_path, out_dir)
         with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +113,7 @@ class _Faulty(Backend):
     def repro_source(self) -> str:
         """The `run_backend(program, inputs)` of a standalone repro: the fault, then the base."""
         base = self._base.repro_source().replace("def run_backend(", "def run_base_backend(")
-        fault = parse_fault(os.environ.get(FAULT_ENV))
+        fault = parse_fault(os.environ.get(self.fault_env))
         return (f"{inspect.getsource(insert_fault)}\n\n{base}\n\nFAULT = {fault!r}\n\n\n"
                 "def run_backend(program, inputs):\n"
                 "    \"\"\"The 'backend bug' of this test backend: one node computed wrongly.\"\"\"\n"
@@ -121,13 +122,13 @@ class _Faulty(Backend):
                 "    return run_base_backend(program, inputs)\n")
 
 
-def faulty(base: str) -> type[_Faulty]:
+def faulty(base: str, prefix: str = "faulty", fault_env: str = FAULT_ENV) -> type[_Faulty]:
     """The test backend `faulty-<base>`: the registered backend `base` with one node corrupted."""
     b = type(get_backend(base))
-    return type(f"Faulty_{base.replace('-', '_')}", (_Faulty,), {
-        "name": f"faulty-{base}", "base": base, "requires": b.requires, "patches": b.patches,
-        "artifact_name": b.artifact_name, "run_requires": b.run_requires,
-        "description": f"TEST ONLY: {base} with one node corrupted ($KOKORO_PARITY_FAULT)"})
+    return type(f"{prefix.title()}_{base.replace('-', '_')}", (_Faulty,), {
+        "name": f"{prefix}-{base}", "base": base, "fault_env": fault_env, "requires": b.requires,
+        "patches": b.patches, "artifact_name": b.artifact_name, "run_requires": b.run_requires,
+        "description": f"TEST ONLY: {base} with one node corrupted (${fault_env})"})
 
 
 FaultyEager = faulty("eager")
@@ -136,6 +137,11 @@ FaultyPortable = faulty("portable")
 FaultyOnnxruntime = faulty("onnxruntime")
 FaultyTvm = faulty("tvm")
 
+# a second build of eager with only "the runtime's own deviation" ($KOKORO_PARITY_BAND_FAULT): the
+# band a bisection of faulty-eager is judged against (`--band-from band-eager`)
+BAND_FAULT_ENV = "KOKORO_PARITY_BAND_FAULT"
+BandEager = faulty("eager", "band", BAND_FAULT_ENV)
 BASES = {"eager": "FaultyEager", "xnnpack": "FaultyXnnpack", "portable": "FaultyPortable",
          "onnxruntime": "FaultyOnnxruntime", "tvm": "FaultyTvm"}
-EXTRA = ",".join(f"faulty-{b}=tests.unit.faulty_backend:{cls}" for b, cls in BASES.items())  # the registry's value
+EXTRA = ",".join([*(f"faulty-{b}=tests.unit.faulty_backend:{cls}" for b, cls in BASES.items()),
+                  "band-eager=tests.unit.faulty_backend:BandEager"])  # the registry's value
