@@ -1,7 +1,11 @@
-"""Cases: one YAML file each under `cases/`, validated into a frozen record.
+"""Cases: one YAML file each, validated into a frozen record.
 
 A case is already phonemized, so no G2P runs at test time. Its bucket is the static shape that a
 port would compile for: tokens (including Kokoro's two pad tokens) and alignment frames.
+
+The shipped cases are package data (`harness/data/cases/`), so a plugin installed from a wheel has
+them; a user's own cases live in their project (`--cases-dir`, or `kokoro_parity_cases` in
+pytest's ini: `pyproject.toml` / `pytest.ini`) and take precedence over a shipped case of the same id.
 """
 from __future__ import annotations
 
@@ -13,7 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .plumbing.files import content_key
 
-CASES_DIR = Path(__file__).resolve().parent.parent / "cases"
+CASES_DIR = Path(__file__).resolve().parent / "data" / "cases"  # the shipped cases (package data)
+CASES_DIR_INI = "kokoro_parity_cases"  # pytest ini key; the CLI reads it from ./pyproject.toml too
+CASES_ENV = "KOKORO_PARITY_CASES"  # the user's cases directories for the CLI, os.pathsep-separated
+TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)  # standard static shapes `new-case` picks from
+FRAME_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4000)
 MAX_TOKENS = 512  # ALBERT's max_position_embeddings
 
 
@@ -80,15 +88,47 @@ def load_case(path: str | Path) -> Case:
     return case
 
 
-def load_cases(directory: str | Path = CASES_DIR, only: list[str] | None = None) -> list[Case]:
-    cases = [load_case(p) for p in sorted(Path(directory).glob("*.yaml"))]
+def case_dirs(user_dirs=()) -> list[Path]:
+    """Where cases are looked up, first match wins: the user's directories, then the shipped ones."""
+    dirs = [Path(d) for d in user_dirs if d]
+    for d in dirs:
+        if not d.is_dir():
+            raise CaseError(f"cases directory {d}: does not exist (--cases-dir / {CASES_DIR_INI})")
+    return [*dirs, CASES_DIR]
+
+
+def load_cases(directory: str | Path | list = CASES_DIR, only: list[str] | None = None,
+               vocab: dict[str, int] | None = None) -> list[Case]:
+    """The cases of one directory, or of several (`case_dirs`: the first directory holding an id
+    wins); with `vocab`, each selected case is checked whole (`check_case`) before any work."""
+    dirs = [Path(d) for d in directory] if isinstance(directory, (list, tuple)) else [Path(directory)]
+    paths: dict[str, Path] = {}
+    for d in dirs:
+        for p in sorted(d.glob("*.yaml")):
+            paths.setdefault(p.stem, p)
     if only:
-        known = {c.id for c in cases}
-        missing = [c for c in only if c not in known]
+        missing = [c for c in only if c not in paths]
         if missing:
-            raise CaseError(f"--case {', '.join(missing)}: no such case in {directory} (have {sorted(known)})")
-        cases = [c for c in cases if c.id in only]
+            raise CaseError(f"--case {', '.join(missing)}: no such case in {', '.join(map(str, dirs))} "
+                            f"(have {sorted(paths)})")
+    cases = [load_case(p) for cid, p in paths.items() if not only or cid in only]
+    for case in cases if vocab is not None else ():
+        try:
+            check_case(case, vocab)
+        except CaseError as e:
+            raise CaseError(f"{paths[case.id]}: {e}") from None
     return cases
+
+
+def check_case(case: Case, vocab: dict[str, int]) -> None:
+    """The whole case, before any work: its voice exists, its phonemes are in the vocabulary and
+    its tokens fit its bucket (one error naming the field, not a traceback in every item)."""
+    from .model import PACKAGED_VOICES
+
+    if case.voice not in PACKAGED_VOICES and not Path(case.voice).is_file():
+        raise CaseError(f"case {case.id!r}: field 'voice' is {case.voice!r}: neither a packaged voice "
+                        f"({', '.join(PACKAGED_VOICES)}) nor a voice file (a .pt of [510, 1, 256])")
+    case.token_ids(vocab)
 
 
 def phonemize(text: str, language: str) -> str:
@@ -105,10 +145,55 @@ def phonemize(text: str, language: str) -> str:
     return phonemes
 
 
+def configured_dirs(cwd: Path | None = None) -> list[Path]:
+    """The user's cases directories for the CLI (pytest reads its own ini): $KOKORO_PARITY_CASES
+    (os.pathsep-separated), then `kokoro_parity_cases` in ./pyproject.toml's [tool.pytest.ini_options]."""
+    import os
+    import tomllib
+
+    cwd = Path(cwd or Path.cwd())
+    dirs = [Path(d) for d in os.environ.get(CASES_ENV, "").split(os.pathsep) if d]
+    pyproject = cwd / "pyproject.toml"
+    if pyproject.is_file():
+        try:
+            ini = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("tool", {}).get("pytest", {}) \
+                .get("ini_options", {})
+        except tomllib.TOMLDecodeError as e:
+            raise CaseError(f"{pyproject}: not valid TOML ({e})") from None
+        listed = ini.get(CASES_DIR_INI, [])
+        dirs += [cwd / d for d in ([listed] if isinstance(listed, str) else listed)]
+    return dirs
+
+
+def fitting_bucket(model, text: str, language: str, voice: str, speed: float = 1.0) -> Bucket:
+    """The smallest standard bucket that fits the reference's lengths (tokens with their pads,
+    predicted frames): what `new-case` picks when --tokens/--frames are not given."""
+    from .reference import run_chain
+
+    probe = Case(id="probe", language=language, text=text, phonemes=phonemize(text, language), voice=voice,
+                 speed=speed, bucket=Bucket(tokens=MAX_TOKENS, frames=4000))
+    _, valid, _ = run_chain(model, probe, synthesize=False)
+    tokens = next((b for b in TOKEN_BUCKETS if b >= valid.tokens), None)
+    frames = next((b for b in FRAME_BUCKETS if b >= valid.frames), None)
+    if tokens is None or frames is None:
+        raise CaseError(f"{valid.tokens} tokens / {valid.frames} frames fit no standard bucket "
+                        f"(at most {TOKEN_BUCKETS[-1]} tokens, {FRAME_BUCKETS[-1]} frames): split the text")
+    return Bucket(tokens=tokens, frames=frames)
+
+
 def write_case(directory: Path, case_id: str, text: str, language: str, voice: str,
-               tokens: int, frames: int, speed: float = 1.0, seed: int = 0) -> Path:
+               tokens: int | None, frames: int | None, speed: float = 1.0, seed: int = 0, model=None) -> Path:
+    """A new phonemized case file; a bucket side not given is the smallest standard one that fits
+    (`fitting_bucket`, which runs the model's duration stage: `model` or the default weights)."""
     from .plumbing.files import atomic_write_text
 
+    if tokens is None or frames is None:
+        if model is None:
+            from .model import load_model
+
+            model = load_model(None)
+        fit = fitting_bucket(model, text, language, voice, speed)
+        tokens, frames = tokens or fit.tokens, frames or fit.frames
     case = Case(id=case_id, language=language, text=text, phonemes=phonemize(text, language),
                 voice=voice, speed=speed, seed=seed, bucket=Bucket(tokens=tokens, frames=frames))
     path = Path(directory) / f"{case_id}.yaml"

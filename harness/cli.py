@@ -295,10 +295,15 @@ def cmd_cache(args) -> int:
 
 
 def cmd_new_case(args) -> int:
-    from .cases import CASES_DIR, write_case
+    """A phonemized case in your cases directory (--dir, else the configured one, else ./cases)."""
+    from .cases import configured_dirs, write_case
+    from .model import load_model
 
-    path = write_case(Path(args.dir or CASES_DIR), args.id, args.text, args.language, args.voice,
-                      args.tokens, args.frames, args.speed, args.seed)
+    directory = Path(args.dir or next(iter(configured_dirs()), "cases"))
+    directory.mkdir(parents=True, exist_ok=True)
+    model = load_model(args.weights) if args.tokens is None or args.frames is None else None
+    path = write_case(directory, args.id, args.text, args.language, args.voice,
+                      args.tokens, args.frames, args.speed, args.seed, model=model)
     print(path.read_text())
     return 0
 
@@ -465,11 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", required=True)
     p.add_argument("--language", default="en-us", choices=("en-us", "en-gb", "ja"))
     p.add_argument("--voice", default="jf_alpha")
-    p.add_argument("--tokens", type=int, required=True, help="static bucket: tokens, pads included")
-    p.add_argument("--frames", type=int, required=True, help="static bucket: alignment frames")
+    p.add_argument("--tokens", type=int, help="static bucket: tokens, pads included (default: the smallest "
+                                                 "standard bucket that fits)")
+    p.add_argument("--frames", type=int, help="static bucket: alignment frames (default: the smallest standard "
+                                                 "bucket that fits the reference's durations)")
+    p.add_argument("--weights", help="the model whose durations pick the frame bucket (default: the default model)")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dir", help="cases directory (default: the repository's cases/)")
+    p.add_argument("--dir", help="where to write (default: $KOKORO_PARITY_CASES, else kokoro_parity_cases in "
+                                 "./pyproject.toml, else ./cases)")
     p.set_defaults(fn=cmd_new_case)
     p = sub.add_parser("precision", help="the smallest set of modules to keep in float32 so that the step in "
                                          "float16 is shippable on every case; writes a keep-list and a Core ML op_selector")

@@ -19,13 +19,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("kokoro-parity")
     g.addoption("--backend", action="append", default=None,
                 help="backend to check (repeatable; default: every installed backend)")
-    g.addoption("--case", action="append", default=None, help="case id from cases/ (repeatable; default: all)")
+    g.addoption("--case", action="append", default=None,
+                help="case id (repeatable; default: all): the shipped cases and those of --cases-dir")
+    g.addoption("--cases-dir", action="append", default=[], metavar="DIR",
+                help="your own cases (YAML, `kokoro-parity new-case`), before the shipped ones; ini: kokoro_parity_cases")
+    g.addoption("--golden-dir", default=None, metavar="DIR",
+                help="your golden store (read first, written by --update-golden); ini: kokoro_parity_golden")
+    parser.addini("kokoro_parity_cases", "directories of your own cases (relative to the ini file)", type="paths",
+                  default=[])
+    parser.addini("kokoro_parity_golden", "your golden store directory (relative to the ini file)", type="paths",
+                  default=[])
     g.addoption("--mode", choices=("dynamic", "static", "both"), default="both",
                 help="dynamic (exact lengths) or static (padded to the bucket, packing disabled)")
     g.addoption("--weights", default=None,
                 help="Kokoro .pth to load strictly, `hf` (local HF cache), `random[:seed]`; default: the "
                      "int8-rebuilt Kokoro-82M v1.0 (env KOKORO_PARITY_WEIGHTS)")
-    g.addoption("--update-golden", action="store_true", help="regenerate golden/ from the current references")
+    g.addoption("--update-golden", action="store_true",
+                help="regenerate the golden store (--golden-dir, else the shipped one) from the current references")
     g.addoption("--report-dir", default="reports", help="where JSON records and run files go")
     g.addoption("--profile", default=None, help="tolerance profile YAML (default: harness/tolerances.yaml)")
     g.addoption("--artifact", action="append", default=[], metavar="STEP=PATH",
@@ -134,6 +144,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from . import progress
 
     progress.set_display(_progress_display(session.config))
+    _session(session.config)  # a bad case or target: one usage error (exit 4) before collection
+
 
 
 def _progress_display(config: pytest.Config):
@@ -213,12 +225,15 @@ def _session(config: pytest.Config):
                     profile=Profile.load(config.getoption("--profile")),
                     extra_patches=tuple(config.getoption("with_patch")),
                     limits=Limits.parse(config.getoption("--time-limit")),
-                    target=config.getoption("--target"), targets_file=config.getoption("--targets-file"))
+                    target=config.getoption("--target"), targets_file=config.getoption("--targets-file"),
+                    cases_dirs=tuple(map(str, [*config.getoption("--cases-dir"), *config.getini("kokoro_parity_cases")])))
+        from .cases import CaseError
         from .plumbing.targets import TargetError
 
         try:
             s.target_for(s.target)  # an unknown target or a malformed targets file: a usage error now
-        except TargetError as e:
+            s.cases  # a bad case (file, field, voice, vocabulary, bucket): one usage error before any work
+        except (TargetError, CaseError) as e:
             raise pytest.UsageError(str(e)) from None
         config.stash[SESSION_KEY] = s
         config.stash[RECORDS_KEY] = []
@@ -374,7 +389,7 @@ def check_golden(request: pytest.FixtureRequest):
 
         session = _session(request.config)
         with progress.item(f"{case_id}-{mode}-golden"):
-            store = GoldenStore.for_model(session.model)
+            store = _golden_store(request.config, session.model, case_id, mode)
             traces = session.traces(case_id)
         case = session.cases[case_id]
         if request.config.getoption("--update-golden"):
@@ -388,6 +403,21 @@ def check_golden(request: pytest.FixtureRequest):
             pytest.fail("\n".join(problems), pytrace=False)
 
     return check
+
+
+def _golden_store(config: pytest.Config, model, case_id: str, mode: str):
+    """The user's golden store (--golden-dir / kokoro_parity_golden) when set; for reading, the
+    shipped store where the user's has no data for this case (the shipped cases' golden data)."""
+    from .golden import GOLDEN_DIR, GoldenStore
+
+    own = config.getoption("--golden-dir") or next(iter(config.getini("kokoro_parity_golden")), None)
+    if own is None:
+        return GoldenStore.for_model(model)
+    store = GoldenStore.for_model(model, Path(own))
+    if config.getoption("--update-golden") or (store.dir(case_id, mode) / "manifest.json").exists():
+        return store
+    shipped = GoldenStore.for_model(model, GOLDEN_DIR)
+    return shipped if (shipped.dir(case_id, mode) / "manifest.json").exists() else store
 
 
 class _RanItems:

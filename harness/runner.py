@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .backends import Backend, get_backend
-from .cases import Case, load_cases
+from .cases import Case, case_dirs, configured_dirs, load_cases
 from .plumbing.files import save_tensors
 from .plumbing.jobs import JobResult, cached_job, run_job
 from .record import Record, backend_label, item_id
@@ -93,6 +93,7 @@ class Session:
     extra_patches: tuple[str, ...] = ()  # added to every backend's own (e.g. length_aware_lstm)
     counts: Counter = field(default_factory=Counter)
     target: str = "local"  # the target its items run on (targets.yaml; compile stays on this machine)
+    cases_dirs: tuple[str, ...] = ()  # the user's cases, before the shipped ones (harness.cases.case_dirs)
     targets_file: str | None = None  # default: ./targets.yaml, then the user's config dir
     _model: object = None
     _targets: dict = field(default_factory=dict)
@@ -103,7 +104,12 @@ class Session:
     @property
     def cases(self) -> dict[str, Case]:
         if self._cases is None:
-            self._cases = {c.id: c for c in load_cases(only=self.case_ids)}
+            from .model import load_vocab
+
+            # each case checked whole before any work: one error naming the file and the field
+            cases = load_cases(case_dirs(self.cases_dirs or configured_dirs()), only=self.case_ids,
+                               vocab=load_vocab())
+            self._cases = {c.id: c for c in cases}
         return self._cases
 
     @property

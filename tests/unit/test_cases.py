@@ -73,3 +73,62 @@ def test_too_many_tokens_for_the_bucket(tmp_path):
 def test_unknown_case_id_is_named():
     with pytest.raises(CaseError, match="nope"):
         load_cases(CASES_DIR, only=["nope"])
+
+
+# ---- your own cases, beside the shipped ones ------------------------------------------------
+
+def test_a_users_cases_come_first_and_the_shipped_ones_stay(tmp_path):
+    from harness.cases import case_dirs
+
+    write(tmp_path, GOOD)
+    write(tmp_path, GOOD.replace("id: tiny", "id: en_short").replace("Hi.", "Mine."), name="en_short")
+    cases = {c.id: c for c in load_cases(case_dirs([tmp_path]))}
+    assert {"tiny", "en_short", "ja", "en_long"} <= set(cases)
+    assert cases["en_short"].text == "Mine."  # the user's case of the same id wins
+    with pytest.raises(CaseError, match="does not exist"):
+        case_dirs([tmp_path / "nope"])
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda t: t.replace("voice: jf_alpha", "voice: af_nobody"), "field 'voice' is 'af_nobody'"),
+    (lambda t: t.replace("hˈI.", "hˈI.§"), "'§'"),
+    (lambda t: t.replace("tokens: 16", "tokens: 4"), "bucket.tokens"),
+])
+def test_a_case_is_checked_whole_when_it_loads(tmp_path, edit, says):
+    """An unknown voice, a phoneme outside the vocabulary or a bucket too small: one error naming the
+    file and the field when the cases load (a Session's first look), not a traceback per item."""
+    from harness.runner import Session
+
+    p = write(tmp_path, edit(GOOD))
+    with pytest.raises(CaseError) as e:
+        Session(case_ids=["tiny"], cases_dirs=(str(tmp_path),)).cases
+    assert str(p) in str(e.value) and says in str(e.value)
+
+
+def test_the_cli_finds_the_users_cases_dir(tmp_path, monkeypatch):
+    from harness.cases import CASES_ENV, configured_dirs
+
+    monkeypatch.delenv(CASES_ENV, raising=False)
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nkokoro_parity_cases = ["my_cases"]\n')
+    assert configured_dirs(tmp_path) == [tmp_path / "my_cases"]
+    monkeypatch.setenv(CASES_ENV, "/elsewhere")
+    assert configured_dirs(tmp_path)[0].as_posix() == "/elsewhere"
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest\n")
+    with pytest.raises(CaseError, match="pyproject.toml"):
+        configured_dirs(tmp_path)
+
+
+def test_new_case_picks_the_smallest_standard_bucket_that_fits(random_model):
+    from harness.cases import FRAME_BUCKETS, TOKEN_BUCKETS, fitting_bucket
+    from harness.reference import run_chain
+
+    from harness.cases import Case, phonemize
+
+    bucket = fitting_bucket(random_model, "Hello there.", "en-us", "jf_alpha")
+    # the bucket holds the reference's own lengths, and the next smaller standard one would not
+    c = Case(id="x", language="en-us", text="Hello there.", phonemes=phonemize("Hello there.", "en-us"),
+             voice="jf_alpha", bucket=bucket)
+    _, valid, _ = run_chain(random_model, c, synthesize=False)
+    t, f = TOKEN_BUCKETS.index(bucket.tokens), FRAME_BUCKETS.index(bucket.frames)
+    assert valid.tokens <= bucket.tokens and (t == 0 or valid.tokens > TOKEN_BUCKETS[t - 1])
+    assert valid.frames <= bucket.frames and (f == 0 or valid.frames > FRAME_BUCKETS[f - 1])

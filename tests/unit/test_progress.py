@@ -6,7 +6,6 @@ import io
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -116,22 +115,12 @@ def test_pytest_line_goes_after_pytests_text_and_gives_it_back():
 
 # ---- through pytest ---------------------------------------------------------------------------
 
-CONFTEST = """
-import functools
-
-import harness.cases
-import harness.runner
-
-harness.runner.load_cases = functools.partial(harness.cases.load_cases, {cases!r})
-"""
-
-
 def run_pytest(tmp_path, *args, reports="reports"):
-    """The parity test file with the tiny case (a conftest points the session at it), eager only."""
+    """The parity test file with the tiny case (`--cases-dir`), eager only."""
     (tmp_path / "tests").mkdir(exist_ok=True)
     (tmp_path / "tests" / "test_parity.py").write_text((ROOT / "tests" / "parity" / "test_parity.py").read_text())
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST.format(cases=str(tmp_path / "cases"))))
     cmd = [sys.executable, "-m", "pytest", "tests", "-p", "no:cacheprovider", "--weights=random:0", "--case=tiny",
+           f"--cases-dir={tmp_path / 'cases'}",
            "--backend=eager", "--mode=dynamic", "-k", "bert_encoder and not golden",
            f"--report-dir={tmp_path / reports}", *args]
     env = child_pytest_env(KOKORO_PARITY_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
