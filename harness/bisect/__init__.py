@@ -11,8 +11,8 @@ cache, and judges each output against the same subprogram's fp32 and fp64 values
 - Op stage: the same search over the float ops between the previous module's cut and that one.
 - Local or accumulated: the op alone on exact inputs. If that passes, the error is accumulated,
   and the shortest window ending at the op that still fails is the repro.
-- A band (`band_from`): the same tapped program run on a build of the backend known to be right
-  (the previous runtime version, the build without your change). A value counts as diverging only
+- A band (`band_from`): the same probes run on a build of the backend known to be right (the
+  previous runtime version, the build without your change), and a value counts as diverging only
   where the backend also leaves that build's value by more than the rule allows against float64:
   the runtime's own legitimate deviation (XNNPACK's float cumsum in SineGen, 4x its floor) is then
   not where a defect starts.
@@ -259,14 +259,16 @@ class Bisector:
         inputs' (a NaN, a sign flip, a wrong kernel), else the first persisting value (an error
         that accumulates). A backend's noise beyond the rule upstream of a real defect (SineGen on
         XNNPACK, 4x its floor) is carried into the chain but does not start it."""
-        if not persisting:
-            return None
+        return (self.jump(persisting, taps, p) or persisting[0]) if persisting else None
+
+    def jump(self, persisting: list[str], taps: list[str], p: Probe) -> str | None:
+        """The first persisting value whose error jumps JUMP-fold over its inputs', if any."""
         metrics = p.metrics
         if self.tapped is not None and p is not self.tapped:  # the op stage: its inputs' errors are the module stage's
             metrics = {**self.tapped.metrics, **p.metrics}
             taps = list(dict.fromkeys([*taps, *self.tapped.metrics]))
         jumps = self.graph.jumps(taps, metrics)
-        return next((t for t in persisting if jumps.get(t, 1.0) >= JUMP), persisting[0])
+        return next((t for t in persisting if jumps.get(t, 1.0) >= JUMP), None)
 
     def by_cuts(self, cuts: list, cands: list, keep: set[str]) -> tuple[dict | None, list[dict], list]:
         """The module stage as a binary search: the cut after module k outputs every value still
@@ -302,14 +304,13 @@ class Bisector:
         ends = set(names) & set(self.persisting) if self.persisting is not None else set(names) & set(graph.outputs)
         if ends and self.can_tap(names):
             label = f"{len(names)} ops {names[0]}..{names[-1]}"
+            before = []  # without a tapped module stage, the region's values from the step's inputs
             if self.tapped is not None:  # the region alone, fed what the backend computed before it
                 before = [n.name for n in graph.nodes if graph.pos[n.name] < graph.pos[names[0]] and n.op != "get_attr"]
-                p = self.probe("bisect", label, names, before, feed=self.tapped.values, keep=self.band is not None)
-            else:
-                p = self.probe("bisect", label, names)
+            p = self.probe("bisect", label, names, before, feed=self.tapped.values if self.tapped else None,
+                           keep=self.band is not None)
             if p.ran:
-                failing = set(p.failing) if self.band is None or self.tapped is None else \
-                    self.beyond_band(p, names, before)
+                failing = set(p.failing) if self.band is None else self.beyond_band(p, names, before)
                 found = graph.persisting(names, failing, ends & failing)
                 if not found:
                     return {"n_nodes": len(names), "localized": False}
