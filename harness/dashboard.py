@@ -505,6 +505,46 @@ def build_dashboard(history_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     return out_dir
 
 
+def band_figure(rec: dict[str, Any], margin: float, div_id: str) -> str | None:
+    """An artifact that draws its own noise (harness/port/noise.py): per audio metric, the spread of
+    the K reference runs (the band, dark), the margin the verdict allows around it (light) and the
+    artifact's value (a marker in its verdict's colour); one row per metric, each on its own scale."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    bands = {k: v for k, v in (rec.get("bands") or {}).items() if isinstance(v.get("band"), (list, tuple))}
+    if not bands:
+        return None
+    fig = make_subplots(rows=len(bands), cols=1, vertical_spacing=0.5 / len(bands))
+    for row, (metric, b) in enumerate(bands.items(), 1):
+        lo, hi = (_finite(x) for x in b["band"])
+        value = _finite(b.get("value"))
+        if lo is None or hi is None:
+            continue
+        pad = margin * (hi - lo)
+        # as verdict.band_comparator: only the side where the metric gets worse has a limit
+        allowed = [lo - pad if b.get("direction") != "lower" else -math.inf,
+                   hi + pad if b.get("direction") != "higher" else math.inf]
+        span = [min(lo - pad, value if value is not None else lo), max(hi + pad, value if value is not None else hi)]
+        width = (span[1] - span[0]) or abs(hi) or 1.0
+        show = [max(allowed[0], span[0] - 0.3 * width), min(allowed[1], span[1] + 0.3 * width)]
+        fig.add_trace(go.Bar(y=[metric], x=[show[1] - show[0]], base=[show[0]], orientation="h", marker_color="#e5e7eb",
+                             name="allowed (band + margin)", showlegend=row == 1, hoverinfo="skip"), row=row, col=1)
+        fig.add_trace(go.Bar(y=[metric], x=[hi - lo or width * 1e-3], base=[lo], orientation="h",
+                             marker_color="#9ca3af", name=f"noise band ({b.get('k', '?')} runs)", showlegend=row == 1,
+                             hovertemplate=f"{lo:.4g} .. {hi:.4g}<extra>band</extra>"), row=row, col=1)
+        if value is not None:
+            fig.add_trace(go.Scatter(y=[metric], x=[value], mode="markers+text", text=[f"{value:.4g}"],
+                                     textposition="top center", name="artifact", showlegend=row == 1,
+                                     marker=dict(size=12, symbol="diamond", color=VERDICT_INK["pass" if b.get("ok")
+                                                                                              else "fail"])),
+                          row=row, col=1)
+        fig.update_xaxes(range=[span[0] - 0.35 * width, span[1] + 0.35 * width], row=row, col=1)
+    fig.update_layout(**_layout(barmode="overlay", margin=dict(l=110, r=20, t=10, b=30),
+                                legend=dict(orientation="h", x=0, y=-0.12, yanchor="top")))
+    return _html(fig, div_id, 90 + 75 * len(bands))
+
+
 def _build(history: History, site: Path, report_dir: Path, factor: float) -> None:
     import plotly
 
@@ -553,6 +593,7 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
             render("item.html", items_dir / f"{iid}.html", "../", page="item", rec=rec, iid=iid,
                    regressions=[g for g in latest_regs if g.item == iid],
                    budget=budget_figure(rec, _thresholds(rec, latest), "budget"),
+                   band=band_figure(rec, _band_margin(rec), "band"),
                    thresholds=_thresholds(rec, latest),
                    trend=trend_figure(runs, rec["step"], rec["backend"], regs_by_run, "item-trend-plot", only_item=iid,
                                       height=300) if len(runs) > 1 else None,
@@ -561,6 +602,14 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
                    if repro_path(rec) else None,
                    extra=extra, history_rows=[(lbl, run.by_item().get(iid)) for lbl, run in
                                               zip(_labels(runs), runs) if iid in run.by_item()][::-1])
+
+
+def _band_margin(rec: dict[str, Any]) -> float:
+    """The tolerance profile's `band_margin` for the item (the default profile's; a run's own
+    profile is not in its records)."""
+    from .verdict import Profile
+
+    return Profile.load().for_(rec["step"], rec["backend"], rec.get("mode", "dynamic")).band_margin
 
 
 def upstream_rows(runs: list[Run]) -> list[dict]:

@@ -106,6 +106,35 @@ def test_errors_skips_bisection_and_repro_bundles_render(tmp_path: Path):
     assert "convolution_7" in item and "ConvTranspose1d" in item and "reproduces when run alone" in item
 
 
+def test_an_artifacts_noise_band_is_drawn(tmp_path: Path, page):
+    """A whole-model artifact's record (harness/port/chain.py writes `bands`): its item page draws
+    each metric's band, the margin around it and the artifact's value, in the verdict's colour."""
+    reports = _copy_reports(tmp_path)
+    path = sorted((reports / "history").glob("*.json"))[-1]
+    run = json.loads(path.read_text())
+    rec = run["records"][0]
+    rec["bands"] = {
+        "pesq": {"value": 3.83, "band": [4.57, 4.60], "ok": False, "direction": "higher", "k": 16,
+                 "why": "pesq 3.83 outside noise band [4.57, 4.6] +/- 0.015"},
+        "rms_ratio_db": {"value": 0.001, "band": [-0.004, 0.005], "ok": True, "direction": "both", "k": 16,
+                         "why": "rms_ratio_db 0.001 in noise band"},
+        "zero_noise": {"rel_l2": 0.4, "snr_db": 8.0, "kind": "noise-like", "why": "sample by sample"}}
+    path.write_text(json.dumps(run))
+    site = build_dashboard(reports / "history", reports / "dashboard", report_dir=reports)
+    item = site / "items" / f"{rec['case']}-{rec['step']}-{rec['backend']}-{rec['mode']}.html"
+    text = item.read_text()
+    assert "Audio against the noise band" in text and 'id="band"' in text
+    page.goto(item.as_uri())
+    page.wait_for_selector("#band .plot-container")
+    traces = page.evaluate("() => document.getElementById('band').data.map(t => [t.type, t.y[0], t.x[0]])")
+    assert ["scatter", "pesq", 3.83] in traces and ["scatter", "rms_ratio_db", 0.001] in traces
+    assert {tuple(t[:2]) for t in traces if t[0] == "bar"} == {("bar", "pesq"), ("bar", "rms_ratio_db")}
+    colors = page.evaluate("() => document.getElementById('band').data.filter(t => t.type == 'scatter')"
+                           ".map(t => t.marker.color)")
+    assert colors == ["#b42318", "#1a7f37"]  # outside its band: the fail colour; inside: pass
+    assert not page.errors, page.errors
+
+
 # ----------------------------------------------------------------------------- in Chromium
 
 @pytest.fixture(scope="module")
