@@ -297,6 +297,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     if groups:
         items.sort(key=lambda it: _case_length(config, it))  # stable: the order within a case stays
+    else:  # no parity item here (this repository's unit tests): their Sessions' phases are not news
+        from . import progress
+
+        progress.set_display(None)
     shard = config.getoption("--shard")
     if shard:
         k, n = _parse_shard(shard)
