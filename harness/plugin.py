@@ -71,7 +71,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "Join the shards' report dirs with `kokoro-parity merge`.")
 
 
-PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file")
+PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file", "--port")
 
 
 def _check_rootdir_kept(config: pytest.Config) -> None:

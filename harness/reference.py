@@ -60,6 +60,8 @@ class CaseTraces:
     pred_dur: list[int]
     chain: dict[str, torch.Tensor]
     io: dict[tuple[str, str, str], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(default_factory=dict)
+    # module references a port cuts at, `(path:out|path:in, dtype) -> value` (`module_captures`)
+    captures: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     def inputs(self, step: str, mode: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
         return self.io[(step, mode, dtype)][0]
@@ -214,6 +216,73 @@ def capture_submodules(module: torch.nn.Module, inputs: list[torch.Tensor]) -> d
         for h in hooks:
             h.remove()
     return seen
+
+
+# The step whose teacher-forced run reaches a module path: the first prefix that holds it.
+MODULE_STEPS = (("decoder.generator", "generator"), ("decoder", "decoder"), ("bert_encoder", "bert_encoder"),
+                ("bert", "bert"), ("predictor.text_encoder", "duration_encoder"), ("predictor.lstm", "duration"),
+                ("predictor.duration_proj", "duration"), ("predictor", "f0n"), ("text_encoder", "text_encoder"))
+
+
+def step_of_module(path: str) -> str | None:
+    return next((step for prefix, step in MODULE_STEPS if path == prefix or path.startswith(prefix + ".")), None)
+
+
+def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs) -> dict:
+    """The values of module references (`decoder.generator.conv_post:out`, `...noise_convs.0:in`)
+    in float32 and float64, put in `traces.captures`: forward hooks on those paths during one
+    teacher-forced dynamic run per dtype of each step that holds them (the traces' own inputs, so
+    the float32 values are the chain's), all of a port's boundaries at once; cached beside the
+    traces. Hooks clone: Generator's `xs += ...` mutates a resblock's output after its hook."""
+    from . import progress
+
+    refs = tuple(sorted({r for r in refs} - {k[0] for k in traces.captures}))
+    if not refs:
+        return traces.captures
+    key = content_key("captures", TRACE_VERSION, model.digest, case.digest, torch.__version__, refs)
+
+    def build(tmp):
+        by_step: dict[str, list[str]] = {}
+        for ref in refs:
+            path = ref.rsplit(":", 1)[0]
+            step = step_of_module(path)
+            if step is None:
+                raise ValueError(f"module reference {ref!r}: no step of the harness runs {path!r}")
+            by_step.setdefault(step, []).append(ref)
+        km32 = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+        km64 = to_float64(copy.deepcopy(km32))
+        out: dict[tuple[str, str], torch.Tensor] = {}
+        for dtype, km in (("float32", km32), ("float64", km64)):
+            for step, step_refs in by_step.items():
+                hooks = []
+                for ref in step_refs:
+                    path, which = ref.rsplit(":", 1)
+                    sub = km.get_submodule(path)
+
+                    def keep(value, ref=ref, dtype=dtype):
+                        first = value[0] if isinstance(value, (tuple, list)) else value
+                        if isinstance(first, torch.Tensor) and (ref, dtype) not in out:
+                            out[(ref, dtype)] = first.detach().clone()
+
+                    hooks.append(sub.register_forward_pre_hook(lambda m, args, keep=keep: keep(args))
+                                 if which == "in" else sub.register_forward_hook(lambda m, a, o, keep=keep: keep(o)))
+                try:
+                    with progress.phase("references: module captures", subject=f"{case.id} {step} {dtype}"), \
+                            torch.no_grad():
+                        s = get_step(step)
+                        s.module(km)(*traces.inputs(step, "dynamic", dtype).values())
+                finally:
+                    for h in hooks:
+                        h.remove()
+        silent = [r for r in refs if (r, "float32") not in out]
+        if silent:
+            raise ValueError(f"module reference(s) {silent}: the module never ran forward on a tensor in "
+                             f"Kokoro's reference (a method such as TorchSTFT.transform is not a forward)")
+        atomic_write(tmp / "captures.pt", lambda f: torch.save(out, f))
+
+    entry, _ = cache.get_or_build("traces", key, build)
+    traces.captures.update(torch.load(entry / "captures.pt", weights_only=True))
+    return traces.captures
 
 
 def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: str, mode: str,

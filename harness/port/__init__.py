@@ -7,4 +7,5 @@ stage by stage against the reference at the port's own boundaries (issues 14 and
 - chain.py: run a port on a case; each stage judged locally and chained; one record.
 - onnx_stages.py: localization inside an ONNX artifact (intermediate outputs mapped to modules).
 - init.py: `kokoro-parity port init` (a port file guessed from artifacts).
+- splits.py: the example 3-stage and 7-stage splits as exportable stages (examples/kokoro-*stage).
 """

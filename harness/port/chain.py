@@ -112,6 +112,14 @@ def run_chain(session, port: Port, item: PortItem, rec) -> None:
 
     traces = session.traces(item.case)
     case = session.cases[item.case]
+    refs = tensors.module_refs(r.tensor for s in port.stages for r in (*s.inputs.values(), *s.outputs.values()))
+    if refs:  # the port's cuts inside modules: hooks on one reference run per dtype, cached
+        from ..reference import module_captures
+
+        try:
+            module_captures(session.model, case, traces, refs)
+        except ValueError as e:
+            raise PortError(str(e)) from None
     chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
     first_local = None
     for i, stage in enumerate(port.stages):

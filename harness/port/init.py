@@ -33,6 +33,9 @@ def port_text(artifacts: list[Path], out: Path) -> str:
         lines += [f"  - name: {Path(path).stem.replace('.', '_')}", f"    artifact: {rel}"]
         if _is_int8(Path(path)):
             lines.append("    precision: int8  # guess: confirm (integer matmuls/convolutions in the graph)")
+        noise_in = [p.name for p in ins if tensors.guess(p.name, p.rank, p.dtype) in tensors.NOISE]
+        if noise_in:
+            lines.append(f"    noise: inputs  # guess: confirm (the vocoder's noise is an input: {', '.join(noise_in)})")
         for side, ports in (("inputs", ins), ("outputs", outs or [])):
             lines.append(f"    {side}:")
             taken: set[str] = set()

@@ -148,6 +148,11 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
     if dup:
         raise PortError(f"{_where(port.source, sorted(dup)[0], 'name')}: stage names must be unique")
     for stage in port.stages:
+        for side, refs in (("inputs", stage.inputs), ("outputs", stage.outputs)):
+            for io_name, ref in refs.items():
+                why = tensors.unknown_module(ref.tensor) if tensors.MODULE_REF.match(ref.tensor) else None
+                if why:
+                    raise PortError(f"{_where(port.source, stage.name, f'{side}.{io_name}')}: {ref.tensor!r}: {why}")
         for f in stage.files(port.root):
             if not f.exists():
                 raise PortError(f"{_where(port.source, stage.name, 'artifact')}: {f} does not exist")

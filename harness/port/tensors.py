@@ -6,6 +6,8 @@ axes and their units, its dtype and the names ports commonly give it (used to gu
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -81,6 +83,33 @@ def known(name: str) -> bool:
     return name in VOCAB or MODULE_REF.match(name) is not None
 
 
+def module_refs(names) -> tuple[str, ...]:
+    """The module references among `names`."""
+    return tuple(sorted({n for n in names if MODULE_REF.match(n)}))
+
+
+@functools.lru_cache(maxsize=1)
+def module_paths() -> tuple[str, ...]:
+    """Every module path of Kokoro's KModel (the architecture, default-initialised: no weights)."""
+    from ..model import build_empty_kmodel
+
+    return tuple(p for p, _ in build_empty_kmodel().named_modules() if p)
+
+
+def unknown_module(name: str) -> str | None:
+    """Why a module reference names no module of Kokoro (with the nearest valid paths), or None."""
+    path = MODULE_REF.match(name)["path"]
+    paths = module_paths()
+    if path in paths:
+        return None
+    near = difflib.get_close_matches(path, paths, n=4, cutoff=0.6)
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    children = [p for p in paths if p.startswith(parent + ".") and "." not in p[len(parent) + 1:]] if parent else []
+    near = list(dict.fromkeys([*near, *children[:4]]))[:6]
+    return (f"Kokoro has no module {path!r}" + (f"; nearest: {', '.join(near)}" if near else
+                                                "; top-level modules: bert, bert_encoder, predictor, text_encoder, decoder"))
+
+
 def describe(name: str) -> str:
     if name in VOCAB:
         t = VOCAB[name]
@@ -90,8 +119,19 @@ def describe(name: str) -> str:
 
 def reference(name: str, traces, dtype: str = "float32") -> torch.Tensor:
     """The reference value of a vocabulary tensor for one case (exact lengths, the case's noise).
-    float64: the teacher-forced float64 output of the step producing it, else the fp32 value cast."""
+    float64: the teacher-forced float64 output of the step producing it (`en`, `asr`: the host glue
+    over those), a module reference's float64 capture, else the fp32 value cast."""
     chain = traces.chain
+    if MODULE_REF.match(name):
+        if (name, dtype) not in traces.captures:
+            raise KeyError(f"no reference for module reference {name!r}: not captured "
+                           f"(harness.reference.module_captures)")
+        return traces.captures[(name, dtype)]
+    if dtype == "float64" and name in ("en", "asr"):  # host glue over float64 outputs: a real floor
+        aln = chain["aln"].double()
+        if name == "en":
+            return reference("d", traces, "float64").transpose(-1, -2) @ aln
+        return reference("t_en", traces, "float64") @ aln
     if name == "ref_s":
         value = torch.cat([chain["s_dec"], chain["s_pred"]], dim=1)
     elif name == "pred_dur":

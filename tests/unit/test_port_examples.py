@@ -1,0 +1,197 @@
+"""The example splits (harness/port/splits.py, examples/kokoro-3stage and kokoro-7stage): the exact
+STFT their stages use, module references at a port's cuts (`decoder.generator.conv_post:out`),
+and the chains exported from the random model on the `tiny` case, clean and with one stage's
+known defect, judged stage by stage."""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from harness.port import splits  # noqa: E402
+from harness.port.portfile import PortError, load_port  # noqa: E402
+
+
+def _signal(n=3000, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, n, generator=g).cumsum(-1) * 0.002 - 0.5  # below zero: every DC bin at pi
+
+
+def test_exact_stft_is_torch_stft_and_istft():
+    x = _signal()
+    stft = splits.ExactSTFT(20, 5)
+    window = torch.hann_window(20, periodic=True)
+    ref = torch.stft(x, 20, 5, 20, window=window, return_complex=True)
+    mag, phase = stft.transform(x)
+    assert torch.allclose(mag, ref.abs(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(torch.polar(mag, phase), ref, atol=1e-4)
+    assert torch.allclose(phase[0, 0], torch.tensor(math.pi))  # DC of a negative signal: torch.angle gives pi, not -pi
+    back = stft.inverse(mag, phase)
+    want = torch.istft(torch.polar(mag, phase), 20, 5, 20, window=window)
+    assert back.shape == want.shape
+    assert float((back - want).norm() / want.norm()) < 1e-6
+
+
+def test_the_exporters_atan2_is_corrected_and_can_be_kept_as_a_defect(tmp_path):
+    """The TorchScript exporter's atan2 gives -pi where torch gives pi (im = 0, re < 0): every
+    frame's DC bin here. ExactSTFT corrects it; `raw_atan2` keeps it (the `atan2` defect)."""
+    x = _signal()
+    phases = {}
+    for raw in (False, True):
+        module = _Transform(splits.ExactSTFT(20, 5, raw_atan2=raw))
+        path = tmp_path / f"stft-{raw}.onnx"
+        torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=splits.OPSET,
+                          input_names=["x"], output_names=["phase"])
+        phases[raw] = ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]
+    torch_phase = torch.angle(torch.stft(x, 20, 5, 20, window=torch.hann_window(20), return_complex=True)).numpy()
+    assert np.allclose(phases[False][0, 0], torch_phase[0, 0]) and np.allclose(phases[False][0, 0], math.pi)
+    assert np.allclose(phases[True][0, 0], -math.pi)
+
+
+class _Transform(torch.nn.Module):
+    def __init__(self, stft):
+        super().__init__()
+        self.stft = stft
+
+    def forward(self, x):
+        return self.stft.transform(x)[1]
+
+
+def test_defect_options():
+    d = splits.parse_defect("vocoder=gain:1.1", "kokoro-7stage")
+    assert (d.stage, d.kind, d.gain) == ("vocoder", "gain", 1.1)
+    assert splits.parse_defect("noise=sign", "kokoro-7stage").gain == -1.0
+    assert splits.parse_defect("noise=atan2", "kokoro-7stage").kind == "atan2"
+    with pytest.raises(ValueError, match=r"no stage 'vocoder' in kokoro-3stage; stages: duration, prosody, decoder"):
+        splits.parse_defect("vocoder=gain:1.1", "kokoro-3stage")
+    with pytest.raises(ValueError, match=r"stage 'tail' computes no STFT"):
+        splits.parse_defect("tail=atan2", "kokoro-7stage")
+    with pytest.raises(ValueError, match=r"expected STAGE=gain:FACTOR"):
+        splits.parse_defect("tail=gain:loud", "kokoro-7stage")
+
+
+def test_an_unknown_module_path_is_one_clear_error(tmp_path):
+    from tests.unit.test_port import transform
+
+    transform(tmp_path / "t.onnx", "x", "audio", [1, 22, "F"])
+    text = ("name: p\nstages:\n  - name: tail\n    artifact: t.onnx\n"
+            "    inputs: {x: decoder.generator.conv_pst:out}\n    outputs: {audio: audio}\n")
+    (tmp_path / "port.yaml").write_text(text)
+    with pytest.raises(PortError) as e:
+        load_port(tmp_path / "port.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"port {tmp_path / 'port.yaml'}, stage 'tail', field 'inputs.x'"), msg
+    assert "Kokoro has no module 'decoder.generator.conv_pst'; nearest: decoder.generator.conv_post" in msg
+    (tmp_path / "port.yaml").write_text(text.replace("conv_pst", "conv_post"))
+    assert load_port(tmp_path / "port.yaml").stages[0].inputs["x"].tensor == "decoder.generator.conv_post:out"
+
+
+# ---- the example chains on the tiny case of the random model ------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from harness.cases import load_cases, write_case
+    from harness.plumbing.cache import CACHE_ENV
+    from harness.runner import Limits, Session
+
+    root = tmp_path_factory.mktemp("examples")
+    write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root / "cache"))
+        s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(run_s=300))
+        s._cases = {c.id: c for c in load_cases(root / "cases")}
+        yield s
+
+
+def _export(session, split, out: Path, defect=None, only=None) -> Path:
+    from harness.reference import module_captures
+
+    traces = session.traces("tiny")
+    module_captures(session.model, session.cases["tiny"], traces, (splits.HAR, splits.CONV_POST))
+    return splits.export_split(split, session.model, traces, out, splits.parse_defect(defect, split),
+                               log=lambda line: None, only=only)
+
+
+def _run(session, port: Path):
+    from harness.port.chain import port_items, run_port_item
+
+    (item,) = port_items(session, [str(port)])
+    rec = run_port_item(session, item)
+    return rec, {r["stage"]: r for r in rec.stages}
+
+
+@pytest.mark.slow
+def test_the_7stage_split_clean_and_with_one_stages_defect(tiny, tmp_path):
+    """Clean: every stage within its floor, locally and chained, the cuts inside the vocoder
+    (`noise_convs.0:in`, `conv_post:out`) judged from their module captures. Then the vocoder
+    exported with a constant gain 1.1: it is the first stage whose local error leaves its floor,
+    and the tail after it is fine locally, off only chained (accumulated)."""
+    from harness.verdict import Verdict
+
+    clean = _export(tiny, "kokoro-7stage", tmp_path / "clean")
+    rec, rows = _run(tiny, clean)
+    assert list(rows) == ["albert", "post_albert", "prosody", "noise", "vocoder", "tail"], rec.reason
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert all(r["local_ok"] and r["chained_ok"] for r in rows.values()), rec.reason
+    assert set(rows["vocoder"]["outputs"]) == {splits.CONV_POST}
+    assert rows["noise"]["outputs"][splits.HAR]["local"]["floor_rel_l2"] > 0
+
+    shutil.copytree(tmp_path / "clean", tmp_path / "loud")
+    loud = _export(tiny, "kokoro-7stage", tmp_path / "loud", "vocoder=gain:1.1", only={"vocoder"})
+    rec, rows = _run(tiny, loud)
+    assert rec.verdict is Verdict.FAIL
+    assert "first stage whose local error leaves its floor: 'vocoder'" in rec.reason, rec.reason
+    assert all(rows[s]["local_ok"] and rows[s]["chained_ok"] for s in ("albert", "post_albert", "prosody", "noise"))
+    vocoder = rows["vocoder"]["outputs"][splits.CONV_POST]["local"]
+    assert not rows["vocoder"]["local_ok"] and vocoder["kind"].startswith("constant gain x1.1"), vocoder
+    assert rows["tail"]["local_ok"] and not rows["tail"]["chained_ok"]
+
+
+@pytest.mark.slow
+def test_module_captures_are_taken_before_generator_mutates_them(tiny):
+    """Generator's `xs += resblock(x, s)` adds into the first resblock's output after its hook ran:
+    the capture is a clone, equal to that resblock run on its captured input."""
+    from harness.reference import module_captures
+
+    traces = tiny.traces("tiny")
+    refs = ("decoder.generator.resblocks.0:in", "decoder.generator.resblocks.0:out")
+    captures = module_captures(tiny.model, tiny.cases["tiny"], traces, refs)
+    block = tiny.model.kmodel.decoder.generator.resblocks[0]
+    with torch.no_grad():
+        want = block(captures[(refs[0], "float32")], traces.chain["s_dec"])
+    assert torch.allclose(captures[(refs[1], "float32")], want, rtol=1e-5, atol=1e-6)
+    assert captures[(refs[1], "float64")].dtype == torch.float64
+
+
+@pytest.mark.slow
+def test_the_3stage_split_port_init_and_check(tiny, tmp_path):
+    """`port init` on the 3-stage artifacts guesses every mapping (the example's own); confirmed,
+    `port check` accepts it, and the exported chain passes stage by stage."""
+    from harness.cli import main
+    from harness.verdict import Verdict
+
+    port = _export(tiny, "kokoro-3stage", tmp_path / "three")
+    written = tmp_path / "three" / "guessed.yaml"
+    onnx_files = [str(tmp_path / "three" / f"{s}.onnx") for s in ("duration", "prosody", "decoder")]
+    assert main(["port", "init", *onnx_files, "--out", str(written)]) == 0
+    text = written.read_text()
+    assert "FIXME" not in text and text.count("# guess: confirm") >= 17, text
+    assert "noise: inputs  # guess: confirm (the vocoder's noise is an input: rand_ini, sine_noise)" in text
+    confirmed = re.sub(r"  # guess: confirm.*", "", text).replace("name: three", "name: kokoro-3stage")
+    written.write_text(confirmed)
+    assert main(["port", "check", str(written)]) == 0
+    def mapping(path):
+        return [(s.name, {k: v.tensor for k, v in (*s.inputs.items(), *s.outputs.items())}) for s in load_port(path).stages]
+
+    assert mapping(written) == mapping(port)  # the guesses are the example's own mapping
+
+    rec, rows = _run(tiny, port)
+    assert rec.verdict is Verdict.PASS and all(r["local_ok"] and r["chained_ok"] for r in rows.values()), rec.reason
