@@ -465,6 +465,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     from .report import summary_table
 
     tr = terminalreporter
+    passing_ports = [r for r in records if r.stages and r.verdict.ok]  # a failing one printed its own
+    if passing_ports:
+        from .report import item_table
+
+        tr.section("kokoro-parity ports, stage by stage")
+        for rec in passing_ports:
+            tr.write_line(item_table(rec))
     tr.section("kokoro-parity summary")
     tr.write_line(summary_table(records))
     c = _counts(session)
