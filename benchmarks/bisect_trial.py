@@ -88,7 +88,7 @@ def main() -> int:
                             log=lambda line: print(line, flush=True), band_from=args.band_from)
             named = (b.get("first_op") or {}).get("node")
             row.update(named=named, named_module=(b.get("first_op") or {}).get("module"),
-                       first_module=b.get("first_module"), compiles=b.get("compiles"),
+                       first_module=b.get("first_module"), compiles=b.get("compiles"), bisect_s=b.get("seconds"),
                        probe_failures=len(b.get("probe_failures") or []),
                        result=("localized nothing" if named is None else
                                "exact" if fault and named == fault[0] else "WRONG"))
