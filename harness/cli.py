@@ -323,7 +323,7 @@ def cmd_precision(args) -> int:
 
     from .metrics import fmt
     from .model import load_model
-    from .precision import search, targets_for, write_keep_list
+    from .precision import patches_for, search, targets_for, write_keep_list
     from .verdict import Profile
 
     model = load_model(args.weights)
@@ -346,8 +346,9 @@ def cmd_precision(args) -> int:
           f"{sh['params_share']:.2%} of the step's parameters{flops}; "
           f"{'shippable on every case' if result.reached else 'NOT shippable on every case'} ({result.seconds} s)")
     paths = write_keep_list(result, args.out)
+    with_patch = "".join(f" --with-patch {p}" for p in patches_for(result.keep))
     print(f"keep-list: {paths['keep_list']}  (KOKORO_PARITY_KEEP_FP32={paths['keep_list']} pytest --backend=fp16 "
-          f"--backend=coreml-fp16 -k {args.step})")
+          f"--backend=coreml-fp16{with_patch} -k {args.step})")
     print(f"Core ML op_selector: {paths['op_selector']}")
     return 0 if result.reached else 1
 

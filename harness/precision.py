@@ -2,9 +2,10 @@
 
 - `Float16Mode` runs eager PyTorch in float16 the way `harness.backends.fp16` runs an exported
   program (its `_to_dtype`: weights, constants *and* the float32 the code hard-codes become float16),
-  with module-level mixed precision: the modules of `keep` run in float32, their inputs cast up at
-  the module boundary and their outputs cast back down (what Core ML's `op_selector` and an
-  ANE/GPU port do with an op-level float32 island).
+  with module-level mixed precision: the modules of `keep` run in float32 with their own float32
+  weights, on inputs as precise as they arrive (a step input read through views stays float32), and
+  their outputs are rounded where float16 code reads them (what Core ML's `op_selector` and the
+  `fp16` backend's `keep_float32_graph` do with an op-level float32 island).
 - `float16_outputs` gives a step's outputs in float16 eager: the float16 floor of
   `harness.reference.float16_outputs` is their error against float64.
 - `search` finds the smallest set of modules to keep in float32 so that the float16 run is
@@ -27,10 +28,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .backends.fp16 import node_module_path  # noqa: F401 - also inlined into the op_selector file
 
+# Semantics-preserving patches that turn code a module's forward runs inline into submodules, so that a
+# keep-list can name it: the vocoder's STFT (`decoder.generator.stft.analysis`) and iSTFT (`.synthesis`).
+# A keep-list naming their modules needs the backend's program exported with them (`--with-patch`).
+ISLAND_PATCHES = ("stft_islands",)
+ISLAND_MODULES = {"stft_islands": ("decoder.generator.stft.analysis", "decoder.generator.stft.synthesis")}
+
+
+def patches_for(keep: Iterable[str]) -> list[str]:
+    """The ISLAND_PATCHES that a keep-list's modules need (the backend's program exported with them)."""
+    return [p for p, mods in ISLAND_MODULES.items() if any(under(k, mods) for k in keep)]
 KEEP_ENV = "KOKORO_PARITY_KEEP_FP32"  # a keep-list JSON: the fp16 / coreml-fp16 backends keep its modules in float32
 KEEP_SCHEMA = "kokoro-parity/keep-fp32/1"
 FLOOR_VERSION = 1  # bump when the float16 eager recipe changes: it invalidates cached float16 floors
@@ -48,6 +59,15 @@ def under(path: str, keep: Iterable[str]) -> bool:
 
 
 # ---- eager float16 with float32 islands ------------------------------------------------------------
+
+# Ops that only move values (views, reshapes, indexing): no arithmetic, so no rounding of their own.
+# Their output keeps its input's precision and is rounded where float16 code reads it; an island
+# that reads a step input through them (Generator's `f0[:, None]`) gets it in float32, as the `fp16`
+# backend's and Core ML's islands do (`island_nodes`).
+DATA_MOVEMENT = frozenset({
+    "__getitem__", "unsqueeze", "squeeze", "transpose", "permute", "view", "reshape", "contiguous", "expand",
+    "narrow", "select", "flatten", "unflatten", "t", "clone", "detach", "chunk", "split", "unbind"})
+
 
 def _inplace(func) -> bool:
     name = getattr(func, "__name__", "")
@@ -100,6 +120,8 @@ class Float16Mode(TorchFunctionMode):
 
         if func in (torch.Tensor.float, torch.Tensor.double):
             return self.round(args[0]) if low else args[0].float()
+        if low and getattr(func, "__name__", "") in DATA_MOVEMENT:
+            return func(*args, **kwargs)  # no arithmetic: the values keep the precision they came in
         inplace = _inplace(func)
         if inplace:
             args = (args[0], *tree_map(cast, tuple(args[1:]))) if args else args
@@ -129,6 +151,24 @@ def _cast_module(module: torch.nn.Module, dtype) -> None:
                 setattr(m, name, value.to(dtype))
 
 
+def _restore_float32(sub: torch.nn.Module, original: torch.nn.Module) -> None:
+    """A kept module's parameters, buffers and tensor attributes as float32 copies of the original's:
+    casting the float16 copy back up would keep float16's rounding in the island's weights (the
+    `fp16` backend's kept nodes read the float32 weights too)."""
+    _cast_module(sub, torch.float32)
+    src = {n: t for n, t in [*original.named_parameters(), *original.named_buffers()]}
+    with torch.no_grad():
+        for name, t in [*sub.named_parameters(), *sub.named_buffers()]:
+            if t.is_floating_point() and name in src:
+                t.copy_(src[name])
+    for path, m in sub.named_modules():
+        o = original.get_submodule(path) if path else original
+        for name, value in list(vars(m).items()):
+            if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and not isinstance(value, torch.nn.Parameter)):
+                setattr(m, name, getattr(o, name).to(torch.float32))
+
+
 class Mixed:
     """A copy of `module` in float16 with the submodules of `keep` (paths relative to the KModel,
     i.e. without the step's `kmodel.`) in float32. Call it with float32 inputs; it returns float32
@@ -141,12 +181,13 @@ class Mixed:
         _cast_module(self.module, dtype)
         if emulate:  # float16 weights, stored as float32
             _cast_module(self.module, torch.float32)
+        originals = dict(module.named_modules())
         found = set()
         for path, sub in self.module.named_modules():
             p = _strip(path)
             if p in self.keep:
                 found.add(p)
-                _cast_module(sub, torch.float32)
+                _restore_float32(sub, originals[path])
                 self._wrap(sub)
         missing = [k for k in self.keep if k not in found]
         if missing:
@@ -161,7 +202,9 @@ class Mixed:
                 out = forward(*args, **kwargs)
             finally:
                 mode.region.pop()
-            return mode.round(out) if mode.low else out  # cast back at the island's boundary
+            # no cast at the boundary: float16 code rounds what it reads, and a kept neighbour reads float32
+            # (Core ML's op_selector and the fp16 backend's graph cast only between float16 and float32 ops)
+            return out
 
         sub.forward = island
 
@@ -215,17 +258,18 @@ def module_audit(module: torch.nn.Module, inputs: list, depth: int = 4, dtype=to
             continue
 
         def hook(m, args, kwargs, out, p=p):
-            first = out[0] if isinstance(out, (tuple, list)) else out
-            if p in rows or not isinstance(first, torch.Tensor) or not first.is_floating_point():
+            floats = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if p in rows or not floats:
                 return
-            peak = float(first.detach().abs().max()) if first.numel() else 0.0
+            peak = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in floats)
             row = {"module": p, "type": type(m).__name__, "max_abs_fp32": peak, "of_fp16_max": peak / FP16_MAX,
                    "params": sum(q.numel() for q in m.parameters())}
             try:
                 half = Mixed(_detached(m), dtype=dtype, emulate=emulate)
-                local = half(*args, **kwargs)
-                lfirst = local[0] if isinstance(local, (tuple, list)) else local
-                row["local_rel_l2"] = rel(lfirst, first)
+                local = [t for t in tree_flatten(half(*args, **kwargs))[0]
+                         if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                # the worst of its outputs: the STFT's phase, not its magnitude, is what float16 breaks
+                row["local_rel_l2"] = max(rel(lo, fo) for lo, fo in zip(local, floats))
             except Exception as e:  # noqa: BLE001 - a module that cannot run alone is still listed
                 row["local_rel_l2"], row["local_error"] = math.nan, f"{type(e).__name__}: {e}"[:160]
             row["producers"] = sorted({made[s] for s in storages((args, kwargs)) if s in made} - {p})
@@ -281,6 +325,32 @@ def keep_tag(keep: list[str]) -> str:
     return f";keep-fp32={content_key('keep', *keep)[:12]}" if keep else ""
 
 
+def island_nodes(graph, keep: list[str]) -> set:
+    """The call_function nodes of an exported step's `graph` that compute in float32 with `keep`: the
+    nodes inside the kept modules, and the data-movement nodes (views, reshapes, indexing: no
+    arithmetic) whose every user is one of them, so that an island reads a program input or another
+    island's output through them unrounded (the Generator's `f0[:, None]` before `f0_upsamp`)."""
+    moves = {"view", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "permute", "reshape", "expand", "slice",
+             "select", "clone", "alias", "t", "getitem", "split", "split_with_sizes", "chunk", "unbind", "flatten",
+             "unflatten", "contiguous"}
+
+    def op_name(n) -> str:
+        return getattr(n.target, "_opname", None) or getattr(n.target, "__name__", str(n.target))
+
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    island = {n for n in nodes if any(node_module_path(n) == k or node_module_path(n).startswith(k + ".")
+                                      for k in keep)}
+    for n in reversed(nodes):  # users first: a chain of moves into an island joins whole
+        if n not in island and op_name(n) in moves and n.users and all(u in island for u in n.users):
+            island.add(n)
+    for n in nodes:  # and a chain from an island to the program's outputs (its outputs stay float32)
+        if (n not in island and op_name(n) in moves and n.all_input_nodes and n.users
+                and all(a in island or a.op == "get_attr" for a in n.all_input_nodes)
+                and all(u in island or u.op == "output" for u in n.users)):
+            island.add(n)
+    return island
+
+
 def op_selector_for(exported_program, keep: list[str]):
     """A Core ML `op_selector` for `ct.transform.FP16ComputePrecision` that keeps in float32 the MIL
     ops converted from nodes inside the `keep` modules. It tags every node with a debug handle
@@ -288,11 +358,11 @@ def op_selector_for(exported_program, keep: list[str]):
     program object. Returns (op_selector, number of nodes kept)."""
     from coremltools.converters.mil.mil.scope import ScopeSource
 
+    island = island_nodes(exported_program.graph, keep)
     kept = set()
     for i, node in enumerate(exported_program.graph.nodes, start=1):
         node.meta["debug_handle"] = i
-        if node.op == "call_function" and any(
-                node_module_path(node) == k or node_module_path(node).startswith(k + ".") for k in keep):
+        if node in island:
             kept.add(i)
 
     def op_selector(op) -> bool:
@@ -304,13 +374,23 @@ def op_selector_for(exported_program, keep: list[str]):
 
 
 def keep_float32_graph(gm16, gm32, keep: list[str]):
-    """The fp16 backend's graph (`gm16`, all float16) with the nodes inside `keep` computing in
-    float32: their float inputs cast up (their weights taken from the float32 `gm32`), the dtypes
-    they hard-code restored, and their float outputs cast down where a float16 node reads them."""
+    """The fp16 backend's graph (`gm16`, all float16) with the nodes inside `keep` (`island_nodes`)
+    computing in float32: their float inputs cast up (their weights taken from the float32 `gm32`),
+    the dtypes they hard-code restored, and their float outputs cast down where a float16 node reads
+    them. The graph takes its float inputs in **float32** (as a Core ML model with float32 inputs
+    does): an island reads them as they are, float16 nodes through a cast. A kept module with no
+    node in the graph is a ValueError (a module that a patch makes needs the program exported with it)."""
     import torch.fx
 
+    island = island_nodes(gm16.graph, keep)
+    found = {k for n in island for k in keep if under(node_module_path(n), [k])}
+    if set(keep) - found:
+        raise ValueError(f"keep-list: no node of {', '.join(sorted(set(keep) - found))} in the program; a module "
+                         f"made by a patch needs the program exported with it (--with-patch "
+                         f"{' --with-patch '.join(ISLAND_PATCHES)})")
+
     def kept_node(n) -> bool:
-        return n.op == "call_function" and under(node_module_path(n), keep)
+        return n in island
 
     def is_float(n) -> bool:
         val = n.meta.get("val")
@@ -341,7 +421,7 @@ def keep_float32_graph(gm16, gm32, keep: list[str]):
                 if "dtype" in o.kwargs:
                     n.kwargs = {**n.kwargs, "dtype": o.kwargs["dtype"]}
             for a in list(n.all_input_nodes):
-                if a in kept or not is_float(a):
+                if a in kept or a.op == "placeholder" or not is_float(a):  # inputs arrive in float32
                     continue
                 if a.op == "get_attr":  # its float32 weights, not the float16 ones cast back
                     if a.target not in up_attrs:
@@ -354,7 +434,7 @@ def keep_float32_graph(gm16, gm32, keep: list[str]):
                     cast(a, n, torch.float32)
         elif n.op != "output":
             for a in list(n.all_input_nodes):
-                if a in kept and is_float(a):
+                if (a in kept or a.op == "placeholder") and is_float(a):
                     cast(a, n, torch.float16)
     g.lint()
     gm16.recompile()
@@ -385,7 +465,8 @@ class Target:
 
 def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynamic",
                 patches: Iterable[str] | None = None) -> list[Target]:
-    """The search's targets: one per case, with the patches of the `fp16` backend's programs."""
+    """The search's targets: one per case, with the patches of the `fp16` backend's programs and
+    ISLAND_PATCHES (bit-exact; they make code that a module runs as methods keepable)."""
     from .backends.fp16 import Fp16Backend
     from .cases import load_cases
     from .patches import affecting, apply_patches
@@ -393,7 +474,7 @@ def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynam
     from .steps import get_step
 
     s = get_step(step)
-    patches = tuple(Fp16Backend.patches if patches is None else patches)
+    patches = tuple((*Fp16Backend.patches, *ISLAND_PATCHES) if patches is None else patches)
     out = []
     for case in load_cases(only=case_ids):
         traces = load_traces(model, case)
@@ -631,12 +712,14 @@ def write_keep_list(result: SearchResult, out_dir: Path) -> dict[str, Path]:
 
     out_dir = Path(out_dir)
     data = {"schema": KEEP_SCHEMA, "step": result.step, "cases": result.cases, "keep_fp32": result.keep,
+            "with_patch": patches_for(result.keep),  # the patches the backend's program needs for these modules
             "reached": result.reached, "share": result.share, "emulated_float16": result.emulate,
             "before": [e.__dict__ for e in result.before], "after": [e.__dict__ for e in result.after]}
     paths = {"keep_list": out_dir / f"keep_fp32-{result.step}.json",
              "op_selector": out_dir / f"keep_fp32_op_selector-{result.step}.py"}
     atomic_write_json(paths["keep_list"], data)
     src = (OP_SELECTOR_HEADER.format(step=result.step, date=time.strftime("%Y-%m-%d"), keep=result.keep)
-           + inspect.getsource(node_module_path) + "\n\n" + inspect.getsource(op_selector_for))
+           + inspect.getsource(node_module_path) + "\n\n" + inspect.getsource(island_nodes) + "\n\n"
+           + inspect.getsource(op_selector_for))
     atomic_write_text(paths["op_selector"], src)
     return paths

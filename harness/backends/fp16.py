@@ -125,7 +125,8 @@ class Fp16Backend(Backend):
         half = _to_dtype(program.module(), torch.float16)
         if keep:  # float32 islands: the keep-list's modules compute in float32, cast at their boundary
             half = keep_float32_graph(half, full, keep)
-        outputs, fp16 = activation_ranges(half, [t.half() if t.is_floating_point() else t for t in inputs])
+        # with islands the graph takes float32 inputs (keep_float32_graph casts them for its float16 nodes)
+        outputs, fp16 = activation_ranges(half, [t.half() if t.is_floating_point() and not keep else t for t in inputs])
         rows = []
         for path, s in fp32["modules"].items():
             h = fp16["modules"].get(path, {})

@@ -315,3 +315,27 @@ def _length_aware_norm(model: nn.Module) -> None:
     from .length_aware_norm import apply_length_aware_norm
 
     apply_length_aware_norm(model)
+
+
+@patch("scan_lstm", True, "the LSTM cell once, as the body of torch's scan over the time steps: the graph, "
+       "its lowering time and memory do not grow with T as unrolled_lstm's do; keeps whatever packing "
+       "semantics the other patches chose (registered last: with unrolled_lstm also applied, scan wins)",
+       affects=LSTM_STEPS, uses=("length_aware_lstm", "frontends"))
+def _scan_lstm(model: nn.Module) -> None:
+    from .frontends import run_full_length
+
+    swap_lstms(model, impl="scan")
+    current = getattr(model, "_parity_run_lstm", None)
+    if current is run_padded:  # no_packing stays padded (every step read)
+        set_lstm_strategy(model, run_full_length)
+    elif current not in (run_length_aware, run_full_length):  # packing becomes length-aware
+        set_lstm_strategy(model, run_length_aware)
+
+
+@patch("stft_islands", True, "the vocoder's STFT and iSTFT as submodules (stft.analysis, stft.synthesis), so that "
+       "a float16 port can keep them in float32 (kokoro-parity precision)", affects=VOCODER_STEPS,
+       uses=("stft_islands",))
+def _stft_islands(model: nn.Module) -> None:
+    from .stft_islands import apply_stft_islands
+
+    apply_stft_islands(model)

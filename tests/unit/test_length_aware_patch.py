@@ -147,3 +147,24 @@ def test_unrolled_lstm_keeps_the_semantics_and_leaves_no_aten_lstm(models, base)
             program = torch.export.export(module, args, strict=False).run_decompositions({})
             lstm_ops[name] = sum("lstm" in str(n.target) for n in program.graph.nodes if n.op == "call_function")
     assert lstm_ops["plain"] > 0 and lstm_ops["unrolled"] == 0
+
+
+@pytest.mark.parametrize("base", [["no_packing"], ["no_packing", "length_aware_lstm"]])
+def test_scan_lstm_keeps_the_semantics_and_wins_over_unrolled(models, base):
+    """`scan_lstm` computes what the LSTM it replaces computes, padded or length-aware; asked for
+    beside a backend's `unrolled_lstm`, every LSTM runs as a scan (it is registered after it)."""
+    from harness.patches.length_aware_lstm import LengthAwareLSTM
+
+    assert PATCHES["scan_lstm"].preserves_semantics
+    g = torch.Generator().manual_seed(4)
+    T = 12
+    L, mask, ids = batch_inputs([8], T, g)
+    d_en = torch.randn(1, 512, T, generator=g).masked_fill(mask[:, None, :], 0)
+    args = (d_en, torch.randn(1, 128, generator=g), L, mask)
+    st, te = get_step("duration_encoder"), get_step("text_encoder")
+    plain = apply_patches(models["kokoro"], base + ["dropout_identity"])
+    scan = apply_patches(models["kokoro"], base + ["dropout_identity", "unrolled_lstm", "scan_lstm"])
+    assert {m.impl for m in scan.modules() if isinstance(m, LengthAwareLSTM)} == {"scan"}
+    with torch.no_grad():
+        assert rel(st.module(scan)(*args), st.module(plain)(*args)) < 1e-6
+        assert rel(te.module(scan)(ids, L, mask), te.module(plain)(ids, L, mask)) < 1e-6

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from harness.precision import (Float16Mode, Mixed, Target, candidates, evaluate, keep_float32_graph, keep_tag,
-                               module_audit, read_keep_list, search, write_keep_list)
+                               module_audit, patches_for, read_keep_list, search, write_keep_list)
 from harness.steps import Step, Tensor
 from harness.verdict import Tolerance, Verdict, judge_outputs, shippable
 
@@ -113,6 +113,7 @@ def test_search_finds_the_one_module_to_keep_in_float32(toy, tmp_path):
     assert result.share["params"] == 0 and result.share["params_total"] == 25
     paths = write_keep_list(result, tmp_path)
     assert read_keep_list(paths["keep_list"]) == ["phase"]
+    assert json.loads(paths["keep_list"].read_text())["with_patch"] == []  # no module a patch makes
     src = paths["op_selector"].read_text()
     assert "KEEP_FP32 = ['phase']" in src and "def op_selector_for" in src
     compile(src, "op_selector.py", "exec")
@@ -150,7 +151,7 @@ def test_exported_program_with_a_float32_island(toy):
     with torch.no_grad():
         assert not torch.isfinite(half(x.half())).all()
         mixed = keep_float32_graph(_to_dtype(program.module(), torch.float16), program.module(), ["phase"])
-        out = mixed(x.half()).float()
+        out = mixed(x).float()  # with islands the graph takes float32 inputs
     assert torch.isfinite(out).all()
     assert float((out.double() - fp64["duration"]).abs().max()) < 0.05
 
@@ -293,3 +294,103 @@ def test_xnnpack_fp16_lowers_a_float16_program(tmp_path):
     assert out.dtype == torch.float32 and out.shape == (1, 11, 4)
     expected = model(longer)
     assert 0 < float((out - expected).abs().max()) < 1e-2  # float16, not float32
+
+
+# ---- islands: their own float32 weights, float32 inputs through data movement, the vocoder's STFTs --------
+
+class ReadsItsInput(nn.Module):
+    """A phase integrated straight from the step's input through a view (Generator's `f0[:, None]`
+    before SineGen): a float32 island must read the input unrounded, or the phase drifts."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = Phase()
+        self.gain = nn.Linear(1, 1)
+        with torch.no_grad():
+            self.gain.weight.fill_(1 + 2 ** -13)  # not a float16 number
+            self.gain.bias.zero_()
+
+    def forward(self, f):
+        wave = self.phase(f[:, None, :])  # [1, 1, T]
+        return self.gain(wave.transpose(1, 2)).squeeze(-1)
+
+
+def test_an_island_reads_inputs_unrounded_and_its_own_float32_weights():
+    model = ReadsItsInput().eval()
+    f = 0.05 + 1e-3 * torch.rand(1, 3000, generator=torch.Generator().manual_seed(0))  # not float16 numbers
+    with torch.no_grad():
+        exact = model(f)
+        kept = Mixed(model, ["phase", "gain"], emulate=True)(f)
+        phase_only = Mixed(model, ["phase"], emulate=True)(f)
+    assert float((kept - exact).abs().max()) < 1e-6  # the view passes f through in float32; gain's weight is float32
+    assert float((phase_only - exact).abs().max()) > 1e-4  # gain in float16: its input and weight rounded
+
+
+def test_the_fp16_backend_island_reads_the_input_through_the_view_in_float32():
+    from harness.backends.fp16 import _to_dtype
+    from harness.precision import island_nodes
+
+    model = ReadsItsInput().eval()
+    f = 0.05 + 1e-3 * torch.rand(1, 3000, generator=torch.Generator().manual_seed(0))
+    program = torch.export.export(copy.deepcopy(model), (f,))
+    island = island_nodes(program.graph, ["phase"])
+    assert any(n.target == torch.ops.aten.unsqueeze.default for n in island)  # the view joined the island
+    assert not any(n.target == torch.ops.aten.linear.default for n in island)
+    with torch.no_grad():
+        exact = model(f)
+        full = copy.deepcopy(program.module())  # as the backend does: _to_dtype casts the shared parameters
+        mixed = keep_float32_graph(_to_dtype(program.module(), torch.float16), full, ["phase", "gain"])
+        out = mixed(f).float()
+        assert float((out - exact).abs().max()) < 1e-6
+        with pytest.raises(ValueError, match="no node of nope.*--with-patch stft_islands"):
+            keep_float32_graph(_to_dtype(program.module(), torch.float16), full, ["phase", "nope"])
+
+
+@pytest.fixture(scope="module")
+def tiny_generator():
+    """Kokoro's own Generator, small, with random weights, in a KModel-shaped holder."""
+    from kokoro.istftnet import Generator
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.decoder = nn.Module()
+    with torch.no_grad():  # weight_norm's computed weights must be leaves for the patches' deepcopy
+        holder.decoder.generator = Generator(8, [3], [2], 8, [[1, 3, 5]], [4], 8, 2, disable_complex=True).eval()
+    return holder
+
+
+class _Gen(nn.Module):
+    def __init__(self, kmodel):
+        super().__init__()
+        self.kmodel = kmodel
+
+    def forward(self, x, s, f0, rand_ini, sine_noise, source_noise):
+        from harness.patches import provide_noise
+
+        with provide_noise(dict(rand_ini=rand_ini, sine_noise=sine_noise, source_noise=source_noise)):
+            return self.kmodel.decoder.generator(x, s, f0)
+
+
+def test_stft_islands_is_bit_exact_and_names_the_two_stfts(tiny_generator):
+    from harness.backends.fp16 import node_module_path
+    from harness.patches import apply_patches, sample_noise
+
+    base = ("noise_as_input", "fold_weight_norm", "custom_stft", "stft_phase_where")
+    plain, split = apply_patches(tiny_generator, base), apply_patches(tiny_generator, (*base, "stft_islands"))
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(1, 8, 10, generator=g), torch.randn(1, 8, generator=g), 200 * torch.rand(1, 10, generator=g),
+              *sample_noise(0, 40).values())
+    with torch.no_grad():
+        expected = _Gen(plain)(*inputs)
+        assert torch.equal(_Gen(split)(*inputs), expected)
+        assert torch.equal(_Gen(copy.deepcopy(split))(*inputs), expected)  # copies call their own halves
+        program = torch.export.export(_Gen(split).eval(), inputs, strict=False)
+    paths = {node_module_path(n) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"decoder.generator.stft.analysis", "decoder.generator.stft.synthesis"} <= paths
+    stft = split.decoder.generator.stft
+    assert "weight_forward_imag" in dict(stft.analysis.named_buffers())
+    assert [n for n, _ in stft.named_buffers(recurse=False)] == ["window"]  # the DFT weights moved to the halves
+    kept = Mixed(_Gen(split), ["decoder.generator.stft.analysis"], emulate=True)
+    assert torch.isfinite(kept(*inputs)).all()
+    assert patches_for(["decoder.generator.stft.analysis"]) == ["stft_islands"]
+    assert patches_for(["decoder.generator.m_source.l_sin_gen"]) == patches_for(["decoder.generator"]) == []
