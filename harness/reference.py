@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .plumbing import cache
-from .cases import Case, CaseError
+from .cases import FRAME_BUCKETS, MAX_TOKENS, TOKEN_BUCKETS, Bucket, Case, CaseError
 from .plumbing.files import atomic_write, content_key
 from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, style_for
 from .patches import apply_patches, graph_code_digest, sample_noise, to_float64
@@ -432,3 +432,19 @@ def references_for(model: LoadedModel, case: Case, traces: CaseTraces, step: str
     dynamic32 = dynamic_counterpart(model, case, traces, step, variant) if mode == "static" else None
     fp16 = float16_outputs(model, case, traces, step, mode, variant) if precision == "float16" else None
     return References(fp32, fp64, plain32, dynamic32, variant, fp16)
+
+
+def fitting_bucket(model, text: str, language: str, voice: str, speed: float = 1.0) -> Bucket:
+    """The smallest standard bucket that fits the reference's lengths (tokens with their pads,
+    predicted frames): what `new-case` picks when --tokens/--frames are not given."""
+    from .model import phonemize
+
+    probe = Case(id="probe", language=language, text=text, phonemes=phonemize(text, language), voice=voice,
+                 speed=speed, bucket=Bucket(tokens=MAX_TOKENS, frames=4000))
+    _, valid, _ = run_chain(model, probe, synthesize=False)
+    tokens = next((b for b in TOKEN_BUCKETS if b >= valid.tokens), None)
+    frames = next((b for b in FRAME_BUCKETS if b >= valid.frames), None)
+    if tokens is None or frames is None:
+        raise CaseError(f"{valid.tokens} tokens / {valid.frames} frames fit no standard bucket "
+                        f"(at most {TOKEN_BUCKETS[-1]} tokens, {FRAME_BUCKETS[-1]} frames): split the text")
+    return Bucket(tokens=tokens, frames=frames)

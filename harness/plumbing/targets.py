@@ -507,7 +507,7 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
 
     # ~90 lines: the host half of one job's stream protocol; `serve` below is the target's half
     def _serve(self, script: str, run_id: str, job: dict, ship: dict[str, tuple], inputs: dict[str, Path],
-               timeout: float, workdir: Path, outputs: dict) -> JobResult:
+               timeout: float, workdir: Path, outputs: dict) -> JobResult:  # ~90 lines: the host half, beside serve()
         """One `ssh`: a tar of the job (remote.json, inputs, missing artifacts) on its stdin, which then
         stays open (EOF there kills the job), and a tar of the job's result on its stdout."""
         grace = 30 + self.spec.connect_timeout_s

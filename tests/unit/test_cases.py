@@ -119,10 +119,11 @@ def test_the_cli_finds_the_users_cases_dir(tmp_path, monkeypatch):
 
 
 def test_new_case_picks_the_smallest_standard_bucket_that_fits(random_model):
-    from harness.cases import FRAME_BUCKETS, TOKEN_BUCKETS, fitting_bucket
-    from harness.reference import run_chain
+    from harness.cases import FRAME_BUCKETS, TOKEN_BUCKETS
+    from harness.reference import fitting_bucket, run_chain
 
-    from harness.cases import Case, phonemize
+    from harness.cases import Case
+    from harness.model import phonemize
 
     bucket = fitting_bucket(random_model, "Hello there.", "en-us", "jf_alpha")
     # the bucket holds the reference's own lengths, and the next smaller standard one would not
