@@ -328,14 +328,16 @@ def cmd_precision(args) -> int:
 
     from .metrics import fmt
     from .model import load_model
-    from .precision import patches_for, search, targets_for, write_keep_list
+    from .precision import patches_for, search, targets_for, verify, write_keep_list
     from .verdict import Profile
 
     model = load_model(args.weights)
     tol = Profile.load(args.profile).for_(args.step, "fp16", args.mode)
     targets = targets_for(model, args.case, args.step, args.mode)
-    result = search(targets, tol, depth=args.depth, top_k=args.top_k, emulate=not args.native,
-                    log=lambda line: print(line, flush=True))
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    keep = [m for k in args.keep or () for m in k.split(",") if m]
+    result = (verify(targets, keep, tol, emulate=not args.native, log=log) if keep else
+              search(targets, tol, depth=args.depth, top_k=args.top_k, emulate=not args.native, log=log))
     rows = []
     for b, a in zip(result.before, result.after):
         for name, m in a.metrics.items():
@@ -347,7 +349,8 @@ def cmd_precision(args) -> int:
                                   "kept: rel_l2", "PESQ", "MCD dB", "level dB", "shippable"], tablefmt="simple"))
     sh = result.share
     flops = f", {sh['flops_share']:.2%} of its FLOPs" if "flops_share" in sh else ""
-    print(f"float32 set for {args.step} ({', '.join(result.cases)}): {', '.join(result.keep) or 'none'}: "
+    print(f"float32 set for {args.step} ({', '.join(result.cases)}{', given' if keep else ''}): "
+          f"{', '.join(result.keep) or 'none'}: "
           f"{sh['params_share']:.2%} of the step's parameters{flops}; "
           f"{'shippable on every case' if result.reached else 'NOT shippable on every case'} ({result.seconds} s)")
     paths = write_keep_list(result, args.out)
@@ -489,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p = sub.add_parser("precision", help="the smallest set of modules to keep in float32 so that the step in "
                                          "float16 is shippable on every case; writes a keep-list and a Core ML op_selector")
     p.add_argument("--case", action="append", help="case id (repeatable; default: all in cases/)")
-    p.add_argument("--step", default="decoder", help="a step with an audio or duration output (default: decoder)")
+    p.add_argument("--step", default="decoder", help="a step with an audio or duration output, or e2e (the e2e "
+                                                      "item's duration stage and synthesizer; default: decoder)")
+    p.add_argument("--keep", action="append", metavar="MODULE[,MODULE]",
+                   help="no search: judge this float32 set (KModel module paths; repeatable) on the cases")
     p.add_argument("--mode", choices=("dynamic", "static"), default="dynamic")
     p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
     p.add_argument("--profile", help="tolerance profile YAML (min_pesq, max_mcd_db, max_level_db)")

@@ -53,6 +53,12 @@ def _strip(path: str) -> str:
     return path[len(PREFIX):] if path.startswith(PREFIX) else path
 
 
+def _kmodel_path(step_module: torch.nn.Module, path: str) -> bool:
+    """Whether `path` is one of the KModel's modules: a step module holds the KModel as `kmodel`,
+    and an e2e stage also its own wrappers (`f0n`, `decoder`), which are not KModel paths."""
+    return path.startswith(PREFIX) or not hasattr(step_module, "kmodel")
+
+
 def under(path: str, keep: Iterable[str]) -> bool:
     """Whether module `path` is one of `keep` or inside one of them."""
     return any(path == k or path.startswith(k + ".") for k in keep)
@@ -240,10 +246,9 @@ def module_audit(module: torch.nn.Module, inputs: list, depth: int = 4, dtype=to
     keep_alive = []  # outputs kept referenced, so that no storage is reused within the audit
 
     def storages(obj) -> set[int]:
-        found = set()
-        tree_map(lambda x: found.add(x.untyped_storage().data_ptr())
-                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() else None, obj)
-        return found
+        # tree_flatten, not tree_map: a PackedSequence (the duration LSTMs' input) cannot be rebuilt
+        return {x.untyped_storage().data_ptr() for x in tree_flatten(obj)[0]
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()}
 
     def rel(a, b) -> float:
         a, b = a.double(), b.double()
@@ -254,7 +259,7 @@ def module_audit(module: torch.nn.Module, inputs: list, depth: int = 4, dtype=to
 
     for path, sub in module.named_modules():
         p = _strip(path)
-        if not path or path == "kmodel" or p.count(".") >= depth:
+        if not path or path == "kmodel" or p.count(".") >= depth or not _kmodel_path(module, path):
             continue
 
         def hook(m, args, kwargs, out, p=p):
@@ -285,8 +290,12 @@ def module_audit(module: torch.nn.Module, inputs: list, depth: int = 4, dtype=to
     finally:
         for h in hooks:
             h.remove()
-    key = lambda r: (-(r["local_rel_l2"] if not math.isnan(r["local_rel_l2"]) else -1), -r["of_fp16_max"])  # noqa: E731
-    return sorted(rows.values(), key=key)
+    return sorted(rows.values(), key=_audit_order)
+
+
+def _audit_order(r: dict) -> tuple:
+    """Worst local float16 error first (a module that cannot run alone last), then the largest range."""
+    return -(r["local_rel_l2"] if not math.isnan(r["local_rel_l2"]) else -1), -r["of_fp16_max"]
 
 
 def _detached(m: torch.nn.Module) -> torch.nn.Module:
@@ -463,27 +472,61 @@ class Target:
     valid: Callable[[str, torch.Tensor], torch.Tensor]
 
 
+# `--step e2e`: the two programs of the e2e item (harness.e2e), judged as ports run them: the
+# duration stage by its durations, the synthesizer by its audio with the reference's durations
+# (so a duration that rounds differently is counted once, at its stage, not again as audio).
+E2E_STAGES = ("duration_stage", "synthesizer")
+
+
 def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynamic",
                 patches: Iterable[str] | None = None) -> list[Target]:
-    """The search's targets: one per case, with the patches of the `fp16` backend's programs and
-    ISLAND_PATCHES (bit-exact; they make code that a module runs as methods keepable)."""
+    """The search's targets: one per case (per case and stage for `e2e`), with the patches of the
+    `fp16` backend's programs and ISLAND_PATCHES (bit-exact; they make code that a module runs as
+    methods keepable)."""
     from .backends.fp16 import Fp16Backend
-    from .cases import load_cases
+    from .cases import case_dirs, configured_dirs, load_cases
     from .patches import affecting, apply_patches
     from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, load_traces, references_for
     from .steps import get_step
 
-    s = get_step(step)
+    if step == "e2e" and mode != "dynamic":
+        raise ValueError("--step e2e: dynamic mode only (the e2e item's static buckets pad the synthesizer, a "
+                         "rewrite of its own; search the static decoder with --step decoder --mode static)")
+    steps = E2E_STAGES if step == "e2e" else (step,)
     patches = tuple((*Fp16Backend.patches, *ISLAND_PATCHES) if patches is None else patches)
     out = []
-    for case in load_cases(only=case_ids):
+    for case in load_cases(case_dirs(configured_dirs()), only=case_ids):
         traces = load_traces(model, case)
-        refs = references_for(model, case, traces, step, mode, patches)
-        variant = affecting([p for p in patches if p not in REFERENCE_PATCHES[mode] and p not in NEUTRAL_PATCHES], step)
-        km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
-        out.append(Target(case.id, s, s.module(km), list(traces.inputs(step, mode, "float32").values()), refs.fp64,
-                          lambda name, t, traces=traces: traces.valid_region(step, name, t)))
+        for name in steps:
+            s = get_step(name)
+            # an e2e stage gets the patches of both (a keep-list names modules of either; a patch
+            # that cannot change a stage leaves it as it is)
+            variant = tuple(dict.fromkeys(p for n in steps for p in affecting(
+                [p for p in patches if p not in REFERENCE_PATCHES[mode] and p not in NEUTRAL_PATCHES], n)))
+            km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
+            if step == "e2e":  # the stages' inputs are the chain's, exact lengths: nothing to trim
+                inputs = [traces.chain[k] for k in s.input_names]
+                fp64 = _e2e_fp64(model, case, traces, s, km, inputs, variant)
+                valid = lambda n, t: t  # noqa: E731
+            else:
+                inputs = list(traces.inputs(name, mode, "float32").values())
+                fp64 = references_for(model, case, traces, name, mode, patches).fp64
+                valid = lambda n, t, traces=traces, name=name: traces.valid_region(name, n, t)  # noqa: E731
+            out.append(Target(case.id if len(steps) == 1 else f"{case.id}:{name}", s, s.module(km), inputs, fp64, valid))
     return out
+
+
+def _e2e_fp64(model, case, traces, step, km, inputs, variant) -> dict[str, torch.Tensor]:
+    """float64 outputs of an e2e stage: the synthesizer's is the e2e item's own (cached), the
+    duration stage's is one cheap float64 pass here."""
+    from .patches import to_float64
+    from .reference import as_outputs, synthesizer_reference
+
+    if step.name == "synthesizer":
+        return {"audio": synthesizer_reference(model, case, traces, tuple(variant))["float64"]}
+    with torch.no_grad():
+        return as_outputs(step, step.module(to_float64(copy.deepcopy(km)))(
+            *[x.double() if x.is_floating_point() else x for x in inputs]))
 
 
 @dataclass
@@ -599,9 +642,13 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
 
     log(f"float16 everywhere, {len(targets)} case(s):")
     before = current = run_all([])
-    small = min(targets, key=lambda t: sum(x.numel() for x in t.inputs if isinstance(x, torch.Tensor)))
-    log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({small.case}, the smallest)")
-    audit = module_audit(small.module, small.inputs, depth, emulate=emulate)
+    smallest = smallest_per_step(targets)
+    audit = []
+    for small in smallest:
+        log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({small.case}, the "
+            f"smallest)")
+        audit += module_audit(small.module, small.inputs, depth, emulate=emulate)
+    audit.sort(key=_audit_order)
     root = step.module_path
     ranked = candidates(audit, root)
     log("  candidates: " + ", ".join(ranked[:top_k * 3]))
@@ -644,40 +691,84 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
             if len(evs) == len(targets) and all(e.shippable for e in evs):
                 keep, current = trial, evs
                 log(f"  dropped {k}: not needed")
-    result = SearchResult(step.name, [t.case for t in targets], keep, all(e.shippable for e in current), before,
-                          current, audit, rounds, emulate=emulate)
-    result.share = share_of(small, keep)
+    result = SearchResult(step_label(targets), [t.case for t in targets], keep, all(e.shippable for e in current),
+                          before, current, audit, rounds, emulate=emulate)
+    result.share = share_of(smallest, keep)
     result.seconds = round(time.perf_counter() - start, 1)
     return result
 
 
-def share_of(target: Target, keep: list[str]) -> dict[str, Any]:
-    """The kept modules' share of the step's parameters and of its FLOPs (torch.utils.flop_counter:
-    matmuls and convolutions, on the target's inputs in float32)."""
-    params = dict(target.module.named_parameters())
-    root = target.step.module_path  # the step's own parameters (a step module holds the whole KModel)
-    own = {n: p for n, p in params.items() if under(_strip(n), [root])}
-    params = own or params
-    total_p = sum(p.numel() for p in params.values())
-    kept_p = sum(p.numel() for n, p in params.items() if under(_strip(n.rsplit(".", 1)[0]), keep))
-    out: dict[str, Any] = {"params": kept_p, "params_total": total_p, "params_share": kept_p / total_p if total_p else 0.0}
-    try:
-        from torch.utils.flop_counter import FlopCounterMode
+def verify(targets: list[Target], keep: Iterable[str], tol, emulate: bool = True,
+           log: Callable[[str], None] = lambda s: None) -> SearchResult:
+    """A given float32 set judged on every target, no search: to check a set found on some cases on
+    others (en_long), or a set a porter already ships. Before: float16 everywhere."""
+    start = time.perf_counter()
+    keep = _normalize(keep)
+    results = {}
+    for label, k in (("float16 everywhere", []), (f"keeping {', '.join(keep) or 'nothing'}", keep)):
+        log(f"{label}, {len(targets)} case(s):")
+        evs = results[label] = []
+        for t in targets:
+            e = evaluate(t, k, tol, emulate)
+            evs.append(e)
+            log(f"  {e.case}: {'SHIPPABLE' if e.shippable else 'not shippable'} ({e.why}) [{e.seconds} s]")
+    before, after = results.values()
+    result = SearchResult(step_label(targets), [t.case for t in targets], keep, all(e.shippable for e in after),
+                          before, after, audit=[], emulate=emulate)
+    result.share = share_of(smallest_per_step(targets), keep)
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
 
+
+def smallest_per_step(targets: list[Target]) -> list[Target]:
+    """One target per step (two for `e2e`), the one with the fewest input elements: the audit's and
+    the FLOP count's input."""
+    size = lambda t: sum(x.numel() for x in t.inputs if isinstance(x, torch.Tensor))  # noqa: E731
+    by_step: dict[str, Target] = {}
+    for t in targets:
+        if t.step.name not in by_step or size(t) < size(by_step[t.step.name]):
+            by_step[t.step.name] = t
+    return list(by_step.values())
+
+
+def step_label(targets: list[Target]) -> str:
+    """`e2e` for the e2e item's two stages, else the step's name (it names the emitted files)."""
+    names = {t.step.name for t in targets}
+    return "e2e" if names == set(E2E_STAGES) else targets[0].step.name
+
+
+def share_of(targets: Target | list[Target], keep: list[str]) -> dict[str, Any]:
+    """The kept modules' share of the steps' parameters (those of the modules that ran: a step module
+    holds the whole KModel) and of their FLOPs (torch.utils.flop_counter: matmuls and convolutions),
+    on each step's smallest inputs in float32, summed over the steps."""
+    from torch.nn.modules.module import register_module_forward_hook
+    from torch.utils.flop_counter import FlopCounterMode
+
+    targets = [targets] if isinstance(targets, Target) else targets
+    params: dict[str, int] = {}  # KModel path of a parameter -> elements
+    total = kept = 0
+    for target in targets:
+        ran: set[int] = set()
+        hook = register_module_forward_hook(lambda m, a, o: ran.add(id(m)))
         counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
-            target.module(*target.inputs)
+        try:
+            with torch.no_grad(), counter:
+                target.module(*target.inputs)
+        finally:
+            hook.remove()
+        for path, sub in target.module.named_modules():
+            if id(sub) in ran and _kmodel_path(target.module, path):
+                params.update((_strip(f"{path}.{n}"), q.numel()) for n, q in sub.named_parameters(recurse=False))
         counts = counter.get_flop_counts()
-        total = sum(counts.get("Global", {}).values())
-        kept = 0
+        total += sum(counts.get("Global", {}).values())
         for name, ops in counts.items():
             path = name.split(".", 1)[1] if "." in name else ""
             if _strip(path) in keep:
                 kept += sum(ops.values())
-        out.update(flops=kept, flops_total=total, flops_share=kept / total if total else 0.0)
-    except Exception as e:  # noqa: BLE001 - the FLOP count is a nicety; parameters are always there
-        out["flops_error"] = f"{type(e).__name__}: {e}"[:160]
-    return out
+    total_p = sum(params.values())
+    kept_p = sum(n for p, n in params.items() if under(p.rsplit(".", 1)[0], keep))
+    return {"params": kept_p, "params_total": total_p, "params_share": kept_p / total_p if total_p else 0.0,
+            "flops": kept, "flops_total": total, "flops_share": kept / total if total else 0.0}
 
 
 # ---- emitting the result ------------------------------------------------------------------------

@@ -394,3 +394,39 @@ def test_stft_islands_is_bit_exact_and_names_the_two_stfts(tiny_generator):
     assert torch.isfinite(kept(*inputs)).all()
     assert patches_for(["decoder.generator.stft.analysis"]) == ["stft_islands"]
     assert patches_for(["decoder.generator.m_source.l_sin_gen"]) == patches_for(["decoder.generator"]) == []
+
+
+def test_verify_judges_a_given_set_without_a_search(toy, tmp_path):
+    from harness.precision import verify
+
+    tol = Tolerance()
+    fixed = verify([_target(toy)], ["phase"], tol)
+    assert fixed.reached and fixed.keep == ["phase"] and fixed.audit == [] and fixed.rounds == []
+    assert fixed.before[0].shippable is False and fixed.after[0].shippable
+    assert not verify([_target(toy)], ["post"], tol).reached  # the wrong island: still overflows
+    assert read_keep_list(write_keep_list(fixed, tmp_path)["keep_list"]) == ["phase"]
+
+
+@pytest.mark.slow
+def test_e2e_targets_are_the_two_stages_judged_as_the_e2e_item_does(random_model, tmp_path, monkeypatch):
+    """`precision --step e2e`: per case the duration stage (judged by its rounded durations) and the
+    synthesizer on the reference's alignment (judged by its audio); the shares count only the
+    parameters of modules that ran."""
+    from harness.cases import write_case
+    from harness.precision import share_of, step_label, targets_for, verify
+
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KOKORO_PARITY_CASES", str(tmp_path / "cases"))
+    write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    targets = targets_for(random_model, ["tiny"], "e2e")
+    assert [(t.case, t.step.name) for t in targets] == [("tiny:duration_stage", "duration_stage"),
+                                                        ("tiny:synthesizer", "synthesizer")]
+    assert step_label(targets) == "e2e" and targets[1].fp64["audio"].dtype == torch.float64
+    result = verify(targets, ["decoder.generator.m_source"], Tolerance())
+    dur, synth = result.after
+    assert "rounded durations" in dur.why and set(synth.metrics["audio"]) >= {"pesq", "mcd_db", "rms_ratio_db"}
+    text_side = share_of(targets[0], ["bert"])
+    assert 0 < text_side["params_share"] < 1 and text_side["params_total"] < sum(
+        p.numel() for p in random_model.kmodel.parameters())  # the duration stage's own, not the KModel's
+    with pytest.raises(ValueError, match="dynamic mode only"):
+        targets_for(random_model, ["tiny"], "e2e", mode="static")
