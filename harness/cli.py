@@ -52,6 +52,10 @@ def cmd_run(args) -> int:
             with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
                 rec = (check_artifact(session, item) if isinstance(item, ArtifactItem) else
                        run_port_item(session, item) if isinstance(item, PortItem) else session.run(item))
+            if args.bisect and isinstance(item, ArtifactItem) and rec.verdict.value == "fail":
+                from .port.onnx_steps import localize_artifact_item  # inside one step's ONNX
+
+                localize_artifact_item(session, item, rec, log=lambda line: print(line, flush=True))
             records.append(rec)
             print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
     finally:
@@ -396,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p.add_argument("--artifact", action="append", default=[], metavar="STEP=PATH",
                    help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references (repeatable; "
                         "without --backend only these items run)")
+    p.add_argument("--bisect", action="store_true",
+                   help="on a failing --artifact ONNX item, localize inside it module by module and write a repro")
     p.set_defaults(fn=cmd_run)
     sub.add_parser("backends", help="list backends and whether they can run here").set_defaults(fn=cmd_backends)
     p = sub.add_parser("check", help="judge a whole-model artifact (tokens, style, speed -> audio) on the cases: "

@@ -475,7 +475,8 @@ def _link(path: str, report_dir: Path, page_dir: Path) -> str:
 def repro_path(rec: dict[str, Any]) -> str | None:
     """The repro bundle of a record: `repro_dir`, or the one harness.bisect wrote."""
     bisect = rec.get("bisect") or {}
-    return rec.get("repro_dir") or ((bisect.get("repro") or {}).get("path") if isinstance(bisect, dict) else None)
+    repro = bisect.get("repro") if isinstance(bisect, dict) else None  # a dict (harness.bisect) or a path (onnx-stages)
+    return rec.get("repro_dir") or (repro if isinstance(repro, str) else (repro or {}).get("path"))
 
 
 def build_dashboard(history_dir: str | os.PathLike, out_dir: str | os.PathLike, *,

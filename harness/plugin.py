@@ -41,6 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--artifact", action="append", default=[], metavar="STEP=PATH",
                 help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references, or a whole-model "
                      "file with e2e=PATH (repeatable; without --backend only these items run)")
+    g.addoption("--etrecord", action="append", default=[], metavar="[STEP=]PATH",
+                help="the ETRecord of a .pte artifact (export with generate_etrecord=True): --bisect localizes "
+                     "inside the .pte through ExecuTorch's ETDump (default: <artifact>.etrecord beside it)")
     g.addoption("--port", action="append", default=[], metavar="PORT.YAML",
                 help="judge a port file's chain of artifacts stage by stage (docs/own-port.md; repeatable)")
     g.addoption("--noise-k", type=int, default=None,
@@ -71,7 +74,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "Join the shards' report dirs with `kokoro-parity merge`.")
 
 
-PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file", "--port")
+PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file", "--port", "--etrecord")
 
 
 def _check_rootdir_kept(config: pytest.Config) -> None:
@@ -371,6 +374,16 @@ def check_parity(request: pytest.FixtureRequest):
             from .port.onnx_stages import localize_item
 
             localize_item(_session(request.config), item, rec)  # inside the ONNX: stages, repro bundle
+        if rec.verdict is Verdict.FAIL and request.config.getoption("--bisect") and isinstance(item, ArtifactItem):
+            if item.path.lower().endswith(".pte"):  # through ExecuTorch's ETRecord and ETDump
+                from .port.pte_stages import etrecord_for, localize_pte
+
+                etrecord = etrecord_for(item, request.config.getoption("--etrecord"))
+                localize_pte(_session(request.config), item, rec, etrecord)
+            else:
+                from .port.onnx_steps import localize_artifact_item
+
+                localize_artifact_item(_session(request.config), item, rec)  # inside one step's ONNX
         if rec.verdict is not Verdict.PASS and request.config.getoption("--bisect") and not artifact:
             from .bisect import BISECTABLE, bisect_item
 

@@ -228,18 +228,20 @@ def step_of_module(path: str) -> str | None:
     return next((step for prefix, step in MODULE_STEPS if path == prefix or path.startswith(prefix + ".")), None)
 
 
-def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs) -> dict:
+def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, variant: tuple[str, ...] = ()) -> dict:
     """The values of module references (`decoder.generator.conv_post:out`, `...noise_convs.0:in`)
     in float32 and float64, put in `traces.captures`: forward hooks on those paths during one
     teacher-forced dynamic run per dtype of each step that holds them (the traces' own inputs, so
     the float32 values are the chain's), all of a port's boundaries at once; cached beside the
-    traces. Hooks clone: Generator's `xs += ...` mutates a resblock's output after its hook."""
+    traces. Hooks clone: Generator's `xs += ...` mutates a resblock's output after its hook.
+    `variant`: extra semantics-changing patches; give it a copy of the traces with empty captures."""
     from . import progress
 
     refs = tuple(sorted({r for r in refs} - {k[0] for k in traces.captures}))
     if not refs:
         return traces.captures
-    key = content_key("captures", TRACE_VERSION, model.digest, case.digest, torch.__version__, refs)
+    key = content_key("captures", TRACE_VERSION, model.digest, case.digest, torch.__version__, refs,
+                      *((variant, graph_code_digest(variant)) if variant else ()))  # `variant`: extra patches
 
     def build(tmp):
         by_step: dict[str, list[str]] = {}
@@ -249,7 +251,7 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs) ->
             if step is None:
                 raise ValueError(f"module reference {ref!r}: no step of the harness runs {path!r}")
             by_step.setdefault(step, []).append(ref)
-        km32 = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+        km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
         km64 = to_float64(copy.deepcopy(km32))
         out: dict[tuple[str, str], torch.Tensor] = {}
         for dtype, km in (("float32", km32), ("float64", km64)):

@@ -173,6 +173,10 @@ def _cut_status(row: dict) -> str:
 
 def format_bisect(b: dict) -> str:
     """The bisection's lines under an item's metric table."""
+    if b.get("kind") == "pte-etdump":  # harness/port/pte_stages.py
+        from .port.pte_stages import pte_lines
+
+        return "\n".join(pte_lines(b))
     if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
         from .port.onnx_stages import stage_lines
 

@@ -6,6 +6,7 @@ stage by stage against the reference at the port's own boundaries (issues 14 and
 - noise.py: the noise band of the audio metrics for artifacts that draw their own noise.
 - chain.py: run a port on a case; each stage judged locally and chained; one record.
 - onnx_stages.py: localization inside an ONNX artifact (intermediate outputs mapped to modules).
+- onnx_steps.py: the same inside one step's ONNX (`--artifact STEP=PATH --bisect`), on the step's submodules.
 - init.py: `kokoro-parity port init` (a port file guessed from artifacts).
 - splits.py: the example 3-stage and 7-stage splits as exportable stages (examples/kokoro-*stage).
 """

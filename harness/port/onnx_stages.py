@@ -58,8 +58,9 @@ def draws_noise(model) -> bool:
     return any(n.op_type in RANDOM_OPS for n in model.graph.node)
 
 
-def module_groups(model, paths) -> dict[str, dict]:
-    """module path -> {"nodes": indices, "outputs": candidate tensors, "inputs": external inputs}."""
+def module_groups(model, paths, node_path=None) -> dict[str, dict]:
+    """module path -> {"nodes": indices, "outputs": candidate tensors, "inputs": external inputs}.
+    `node_path(node)` places a node in a module (default: the whole-model ONNX's naming rules)."""
     graph = model.graph
     consts = {i.name for i in graph.initializer}
     producer = {}
@@ -69,7 +70,7 @@ def module_groups(model, paths) -> dict[str, dict]:
             producer[o] = i
         for x in n.input:
             consumers.setdefault(x, []).append(i)
-    where = [node_module(n.name) for n in graph.node]
+    where = [node_path(n) if node_path else node_module(n.name) for n in graph.node]
     graph_outputs = {o.name for o in graph.output}
     groups = {}
     for path in paths:
@@ -111,6 +112,17 @@ def module_groups(model, paths) -> dict[str, dict]:
                         continue
                     ins.append(x)
         groups[path] = {"nodes": sorted(members), "outputs": outs, "inputs": ins}
+    return groups
+
+
+def float_boundaries(model, groups: dict) -> dict:
+    """An activation quantizer at a module's edge: the float tensor before it is the boundary."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    unq = lambda x: (producer[x].input[0] if x in producer  # noqa: E731
+                     and producer[x].op_type == "DynamicQuantizeLinear" else x)
+    for g in groups.values():
+        g["inputs"] = list(dict.fromkeys(unq(x) for x in g["inputs"]))
+        g["outputs"] = list(dict.fromkeys(unq(x) for x in g["outputs"]))
     return groups
 
 
@@ -165,12 +177,7 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     model = onnx.load(artifact, load_external_data=False)
     groups = module_groups(model, [p for p, _ in STAGES])
     dur = durations_tensor(model)
-    producer = {o: n for n in model.graph.node for o in n.output}
-    for g in groups.values():  # an activation quantizer: the float tensor before it is the boundary
-        unq = lambda x: (producer[x].input[0] if x in producer  # noqa: E731
-                         and producer[x].op_type == "DynamicQuantizeLinear" else x)
-        g["inputs"] = list(dict.fromkeys(unq(x) for x in g["inputs"]))
-        g["outputs"] = list(dict.fromkeys(unq(x) for x in g["outputs"]))
+    float_boundaries(model, groups)
     candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])] + ([dur] if dur else [])
     marked = marked_copy(Path(artifact), out_dir / "marked.onnx", candidates)
     feed = ref["feed"]
@@ -195,34 +202,11 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     rows: dict = {}
     dynamic = depends_on_inputs(model)
     for path, what in STAGES:
-        if path not in groups:
-            rows[path] = {"what": what, "mapped": False, "why": "no ONNX node is named after this module"}
-            continue
-        want = ref["fp32"].get(path)
-        if want is None:
-            rows[path] = {"what": what, "mapped": False, "why": "the reference did not call this module"}
-            continue
-        g = groups[path]
-        match = [t for t in g["outputs"] if t in values and np.asarray(values[t]).size == want.numel()
-                 and np.issubdtype(np.asarray(values[t]).dtype, np.floating)]
-        if not match:
-            rows[path] = {"what": what, "mapped": False,
-                          "why": f"none of its {len(g['outputs'])} output tensors has the reference's size "
-                                 f"{list(want.shape)}"}
-            continue
-        # several tensors of that size: the module's output is the one nearest the reference
-        # (as a mapping rule only; the error of the one chosen is what gets judged)
-        tensor = min(match, key=lambda t: _rel(values[t], want))
-        rows[path] = {"what": what, "mapped": True, "tensor": tensor, "nodes": len(g["nodes"]),
-                      "candidates": len(match),
-                      "chained": _best_layout(values[tensor], want)}
-        # locally: the module's subgraph fed the reference's inputs of the module
-        if path == "decoder.generator.istft" and rows.get("decoder.generator.conv_post", {}).get("tensor"):
-            # the tail: everything from conv_post's output to the audio (exp, sin, inverse STFT)
+        g = groups.get(path)
+        if g is not None and path == "decoder.generator.istft" and rows.get("decoder.generator.conv_post", {}).get(
+                "tensor"):  # the tail: everything from conv_post's output to the audio (exp, sin, inverse STFT)
             g = {**g, "inputs": [rows["decoder.generator.conv_post"]["tensor"]]}
-        local = _local(source, g, tensor, {**ref, "feed": feed, "dynamic": dynamic}, path, values,
-                       out_dir / "stages" / path)
-        rows[path].update(local)
+        rows[path] = stage_row(path, what, g, values, {**ref, "feed": feed, "dynamic": dynamic}, source, out_dir)
     if dur:
         rows["pred_dur"] = {"what": "durations (Round, Clip)", "mapped": True, "tensor": dur,
                             "chained": np.asarray(values[dur]).reshape(-1)}
@@ -232,6 +216,30 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     torch.save(rows, out_dir / "stages.pt")
     return {"mapped": [p for p, r in rows.items() if r.get("mapped")], "forced_durations": forced,
             "unmapped": {p: r["why"] for p, r in rows.items() if not r.get("mapped")}}
+
+
+def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict, source: Path, out_dir: Path) -> dict:
+    """One module in the marked run: its output tensor (chained) and its subgraph fed the
+    reference's inputs (local), or why it could not be mapped. `ref` holds `fp32`, `fp32_in`,
+    `feed` (the graph's inputs) and `dynamic` (`depends_on_inputs`)."""
+    if group is None:
+        return {"what": what, "mapped": False, "why": "no ONNX node is named after this module"}
+    want = ref["fp32"].get(path)
+    if want is None:
+        return {"what": what, "mapped": False, "why": "the reference did not call this module"}
+    match = [t for t in group["outputs"] if t in values and np.asarray(values[t]).size == want.numel()
+             and np.issubdtype(np.asarray(values[t]).dtype, np.floating)]
+    if not match:
+        return {"what": what, "mapped": False,
+                "why": f"none of its {len(group['outputs'])} output tensors has the reference's size "
+                       f"{list(want.shape)}"}
+    # several tensors of that size: the module's output is the one nearest the reference
+    # (as a mapping rule only; the error of the one chosen is what gets judged)
+    tensor = min(match, key=lambda t: _rel(values[t], want))
+    row = {"what": what, "mapped": True, "tensor": tensor, "nodes": len(group["nodes"]), "candidates": len(match),
+           "chained": _best_layout(values[tensor], want)}
+    row.update(_local(source, group, tensor, ref, path, values, out_dir / "stages" / path))
+    return row
 
 
 def depends_on_inputs(model) -> set[str]:
@@ -303,6 +311,13 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
         if x not in ref["dynamic"] and own is not None:  # computed from weights alone (quantization scales)
             feed[x] = np.asarray(own)
             continue
+        if own is not None and np.issubdtype(np.asarray(own).dtype, np.floating):
+            own_t = torch.from_numpy(np.asarray(own, dtype=np.float32))
+            twin = next((v for v in ref["feed"].values() if np.asarray(v).size == own_t.numel()
+                         and np.issubdtype(np.asarray(v).dtype, np.floating) and _rel(v, own_t) <= 1e-6), None)
+            if twin is not None:  # a graph input reshaped (`F0_curve[:, None]`, shared by two modules): itself
+                feed[x] = _best_layout(twin, own_t).astype(np.asarray(own).dtype)
+                continue
         fit = [i for i, a in enumerate(args) if i not in used and a.numel() == (np.asarray(own).size if own is not None
                                                                                    else -1)]
         if fit and own is not None and np.issubdtype(np.asarray(own).dtype, np.floating):
@@ -385,11 +400,9 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     """Run the localization of one whole-model ONNX on one case; fills `rec.bisect`."""
     import onnx
 
-    from ..metrics.tensor import compare_to_floor
     from ..plumbing.files import atomic_write
     from ..plumbing.jobs import run_job
     from ..verdict import comparator
-    from .chain import difference_kind
 
     traces = session.traces(case_id)
     noisy = draws_noise(onnx.load(str(artifact), load_external_data=False))
@@ -425,23 +438,7 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
             entry["ok"] = entry["tokens_differ"] == 0
             table.append(entry)
             continue
-        for role in ("chained", "local"):
-            value = row.get(role)
-            if value is None:
-                entry[f"{role}_error"] = row.get("local_error", "not run") if role == "local" else "not run"
-                continue
-            value = torch.as_tensor(value).reshape(-1)
-            a32, a64 = r32.reshape(-1).float(), r64.reshape(-1).double()
-            if value.numel() != a32.numel() or a64.numel() != a32.numel():
-                entry[f"{role}_error"] = (f"{value.numel()} values, the reference {a32.numel()} "
-                                          f"(durations differ upstream)")
-                continue
-            m = compare_to_floor(value, a32, a64)
-            ok, why = check(m)
-            stochastic = after and (role == "chained" or noisy)
-            entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok or stochastic,
-                           "why": why if not stochastic else "phase/noise dependent: the audio band judges it",
-                           "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1))}
+        judge_row(entry, row, r32, r64, check, stochastic=lambda role: after and (role == "chained" or noisy))
         local = entry.get("local") or {}
         if local and not local["ok"] and first is None:
             first = entry
@@ -461,6 +458,31 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     for line in stage_lines(rec.bisect):
         log(line)
     return rec.bisect
+
+
+def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, check, stochastic=lambda role: False):
+    """Fill `entry["chained"]` and `entry["local"]` (rel L2, its fp32 floor, ok, kind of difference)
+    from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it)."""
+    from ..metrics.tensor import compare_to_floor
+    from .chain import difference_kind
+
+    for role in ("chained", "local"):
+        value = row.get(role)
+        if value is None:
+            entry[f"{role}_error"] = row.get("local_error", "not run") if role == "local" else "not run"
+            continue
+        value = torch.as_tensor(value).reshape(-1)
+        a32, a64 = r32.reshape(-1).float(), r64.reshape(-1).double()
+        if value.numel() != a32.numel() or a64.numel() != a32.numel():
+            entry[f"{role}_error"] = f"{value.numel()} values, the reference {a32.numel()} (durations differ upstream)"
+            continue
+        m = compare_to_floor(value, a32, a64)
+        ok, why = check(m)
+        noise = stochastic(role)
+        entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok or noise,
+                       "why": why if not noise else "phase/noise dependent: the audio band judges it",
+                       "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1))}
+    return entry
 
 
 def band_rows(session, case_id: str, traces, audio, tol) -> dict:
@@ -492,9 +514,12 @@ def row_sub(rows: dict, path: str):
 def stage_lines(b: dict) -> list[str]:
     from ..metrics import fmt
 
-    lines = [f"stages inside {Path(b['artifact']).name} (noise: {b['noise']}; "
-             + ("the artifact's durations differ: the stages after them ran with the reference's durations "
-                "forced)" if b.get("forced_durations") else "durations as the artifact computes them)") + ":"]
+    if "step" in b:  # one step's artifact (harness/port/onnx_steps.py)
+        lines = [f"stages inside {Path(b['artifact']).name} (step {b['step']}; {b['names']}):"]
+    else:
+        lines = [f"stages inside {Path(b['artifact']).name} (noise: {b['noise']}; "
+                 + ("the artifact's durations differ: the stages after them ran with the reference's durations "
+                    "forced)" if b.get("forced_durations") else "durations as the artifact computes them)") + ":"]
     for e in b["stages"]:
         if not e["mapped"]:
             lines.append(f"  {e['stage']:<28} not mapped: {e['why']}")
@@ -507,7 +532,8 @@ def stage_lines(b: dict) -> list[str]:
                          f"local {fmt(loc.get('rel_l2')):>8} {verdict(loc):<4} chained {fmt(c.get('rel_l2')):>8} "
                          f"{verdict(c):<4} {loc.get('kind') or c.get('kind', '')}"
                          + (f"; local not run: {e['local_error']}" if e.get("local_error") and not loc else "")
-                         + (f"; chained: {e['chained_error']}" if e.get("chained_error") else ""))
+                         + (f"; chained: {e['chained_error']}" if e.get("chained_error") else "")
+                         + (f"; {e['note']}" if e.get("note") else ""))
     if b.get("forced_audio"):
         lines.append("  audio with the reference durations forced, against the noise band: " + "; ".join(
             v["why"] for v in b["forced_audio"].values()))

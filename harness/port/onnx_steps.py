@@ -1,0 +1,356 @@
+"""`--bisect` on one step's ONNX (`--artifact STEP=PATH`): the localization of onnx_stages, inside
+the step's module instead of the whole model.
+
+- *Stages*: the step's submodules that hold parameters, down to STAGE_DEPTH levels below the step
+  (children and grandchildren of its module; a step made of several modules, such as `f0n`, counts
+  each as a child), in the order a hooked float32 run of the step finishes them, so a module comes
+  before the one that holds it and the first stage named is the innermost. A module called more
+  than once (shared weights) is listed as not mapped: one capture cannot stand for every call.
+- *Names*: a node's module path comes from the dynamo exporter's metadata
+  (`pkg.torch.onnx.name_scopes`, else `namespace`: full paths from the exported module) or from a
+  TorchScript-exporter name (`/decoder/generator/conv_post/Conv`: one segment per module call, each
+  relative to the call around it). The export's own prefix (`kmodel.` of the harness's step
+  wrapper, a user's wrapper module) and the module the names start from (`decoder` when the user
+  exported `kmodel.decoder` itself) are found together: the pair under which most nodes resolve to
+  real modules of the step.
+- *References*: `reference.module_captures` (`path:out` and `path:in`, float32 and float64, one
+  teacher-forced run of the step on the exact lengths, cached). Each stage is judged chained (the
+  marked run) and locally (its extracted subgraph fed the reference's inputs) against the fp32
+  floor with the item's tolerance, and the repro bundle is onnx_stages' (numpy + onnxruntime only).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import torch
+
+STAGE_DEPTH = 2  # module levels below the step's module that become stages
+MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `kmodel.`)
+
+
+# ---- the step's modules, from a hooked run ------------------------------------------------------
+
+def step_modules(model, step: str, traces, variant: tuple[str, ...] = ()) -> dict:
+    """The modules one float32 run of `step` calls: `order` (as they finish), `calls` per path,
+    `params` (paths that hold parameters), `types` (class names) and `tensor_in`/`tensor_out` (the
+    paths whose first argument / first output is a tensor: what a module capture can hold), under
+    the references' patches and `variant`."""
+    from ..patches import apply_patches
+    from ..reference import REFERENCE_PATCHES
+    from ..steps import get_step
+
+    km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
+    order, calls, hooks, tensor_in, tensor_out = [], {}, [], set(), set()
+    names: dict[int, list[str]] = {}
+    for path, sub in km.named_modules(remove_duplicate=False):
+        names.setdefault(id(sub), []).append(path)
+    for path, sub in km.named_modules():
+        if path and len(names[id(sub)]) == 1:  # one instance under several paths (kokoro shares a LeakyReLU):
+            # a hook cannot tell which path called it
+            def done(m, args, out, path=path):
+                calls[path] = calls.get(path, 0) + 1
+                if calls[path] == 1:
+                    order.append(path)
+                    if args and isinstance(args[0], torch.Tensor):
+                        tensor_in.add(path)
+                    if isinstance(out[0] if isinstance(out, (tuple, list)) else out, torch.Tensor):
+                        tensor_out.add(path)
+            hooks.append(sub.register_forward_hook(done))
+    try:
+        with torch.no_grad():
+            get_step(step).module(km)(*traces.inputs(step, "dynamic", "float32").values())
+    finally:
+        for h in hooks:
+            h.remove()
+    modules = dict(km.named_modules())
+    return {"order": order, "calls": calls, "paths": sorted(p for ps in names.values() for p in ps if p),
+            "params": {p for p in order if any(True for _ in modules[p].parameters())},
+            "types": {p: type(modules[p]).__name__ for p in order}, "tensor_in": tensor_in, "tensor_out": tensor_out}
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def step_roots(order: list[str]) -> list[str]:
+    """The modules the step calls directly: no module around them ran."""
+    ran = set(order)
+    return [p for p in order if not any(a in ran for a in _ancestors(p))]
+
+
+def choose_stages(ran: dict, depth: int = STAGE_DEPTH) -> tuple[list[str], dict[str, str]]:
+    """(stages in finishing order, {module: why not} for the others of those levels): modules with
+    parameters at levels 1..depth below the step (a step of one module is level 0)."""
+    order, calls = ran["order"], ran["calls"]
+    seen = set(order)
+    single = len(step_roots(order)) == 1
+    stages, skipped = [], {}
+    for p in order:
+        level = sum(a in seen for a in _ancestors(p)) + (0 if single else 1)
+        if not 1 <= level <= depth or p not in ran["params"]:
+            continue
+        if calls[p] > 1:
+            skipped[p] = (f"called {calls[p]} times in the step (shared weights): one capture cannot stand for "
+                          f"every call")
+        elif p not in ran["tensor_out"]:
+            skipped[p] = "its output is not a tensor (a packed sequence): nothing to compare"
+        else:
+            stages.append(p)
+    return stages, skipped
+
+
+# ---- ONNX node -> module path --------------------------------------------------------------------
+
+def node_segments(node) -> tuple[tuple[str, ...] | None, str]:
+    """(scope segments outermost first, where they came from) of one ONNX node."""
+    meta = {p.key: p.value for p in node.metadata_props}
+    scopes, key = None, "pkg.torch.onnx.name_scopes"
+    if key in meta:  # dynamo: ['', 'kmodel.decoder', 'kmodel.decoder.encode', 'conv1d']
+        try:
+            scopes = [str(s) for s in ast.literal_eval(meta[key])]
+        except (ValueError, SyntaxError):
+            scopes = None
+    if scopes is None and "namespace" in meta:  # ': Root/kmodel.decoder: Decoder/.../conv1d: aten.conv1d'
+        scopes, key = [part.split(":")[0].strip() for part in meta["namespace"].split("/")], "namespace"
+    if scopes is not None:
+        modules = [s for s in scopes[1:-1] if s]  # the last is the op itself
+        return (tuple(modules[-1].split(".")) if modules else ()), f"exporter metadata ({key})"
+    if node.name.startswith("/"):  # TorchScript: one segment per module call, the op last
+        return tuple(s for s in node.name.split("/") if s)[:-1], "node names"
+    return None, "none"  # no scope at all (not the same as the exported module's own ops: ())
+
+
+_CALL_SUFFIX = re.compile(r"(@\d+|_\d+)$")  # a later call of the same module (`@1` dynamo, `_1` TorchScript)
+
+
+def resolve(segments, base: str, paths: set[str]) -> str | None:
+    """The module path the segments name, starting at `base`: each segment is looked up under the
+    path so far and under each of its ancestors (TorchScript writes `cnn.0/cnn.0.0`), and must
+    land inside it; None when one does not resolve."""
+    cur = base
+    for seg in segments:
+        found = None
+        for s in dict.fromkeys((seg, _CALL_SUFFIX.sub("", seg))):
+            parts = cur.split(".") if cur else []
+            for k in range(len(parts), -1, -1):
+                cand = ".".join([*parts[:k], s])
+                if cand in paths and (not cur or cand == cur or cand.startswith(cur + ".")):
+                    found = cand
+                    break
+            if found:
+                break
+        if found is None:
+            return None
+        cur = found
+    return cur or None
+
+
+def step_node_paths(model, paths, roots: list[str]):
+    """(node -> module path under the step's roots, "" outside them; how the names were read): the
+    export's prefix (leading segments dropped) and the module its names start from are the pair
+    under which most nodes land inside the step's modules."""
+    paths = set(paths)
+    segs = [node_segments(n) for n in model.graph.node]
+    unique = {s for s, _ in segs if s}
+    inside = lambda p: p is not None and any(p == r or p.startswith(r + ".") for r in roots)  # noqa: E731
+    bases = sorted({"", *roots, *(a for r in roots for a in _ancestors(r))}, key=len)
+    best = (0, 0, "", {})
+    for skip in range(MAX_PREFIX + 1):
+        for base in bases:
+            table = {s: resolve(s[skip:], base, paths) for s in unique if len(s) > skip}
+            table = {s: p for s, p in table.items() if inside(p)}
+            hits = sum(1 for s, _ in segs if s in table)
+            if hits > best[0]:
+                best = (hits, skip, base, table)
+    hits, skip, base, table = best
+    source = next((how for s, how in segs if s), "no module scopes")
+    dropped = {".".join(s[:skip]) for s in table} if skip else set()
+    how = (f"{source}" + (f", export prefix {' / '.join(repr(d) for d in sorted(dropped))} dropped" if dropped else "")
+           + (f", names start at {base!r}" if base else "") + f"; {hits} of {len(segs)} nodes placed")
+    where = _place_unnamed(model, [None if s is None else table.get(s, "") for s, _ in segs])
+    by_output = {n.output[0]: p for n, p in zip(model.graph.node, where) if n.output}
+    return (lambda node: by_output.get(node.output[0] if node.output else None, "")), how
+
+
+def _place_unnamed(model, where: list) -> list[str]:
+    """Nodes without any scope (an optimizer's rewrites, TorchScript's `Constant_12`) go into the
+    innermost module holding all their inputs' producers and all their consumers, so that a
+    module's trailing op rewritten without a scope is not taken for the next module's (nor its
+    input for the module's). Nodes left outside every module (the step's own ops) are ""."""
+    graph = model.graph
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output}
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.node):
+        for x in n.input:
+            consumers.setdefault(x, []).append(i)
+
+    def common(paths) -> str:
+        parts = [p.split(".") for p in paths]
+        k = 0
+        while all(len(q) > k and q[k] == parts[0][k] for q in parts):
+            k += 1
+        return ".".join(parts[0][:k])
+
+    where = list(where)
+    for strict in (True, False):  # first where every neighbour is placed, then with what is
+        changed = True
+        while changed:
+            changed = False
+            for i, n in enumerate(graph.node):
+                if where[i] is not None:
+                    continue
+                near = [where[producer[x]] for x in n.input
+                        if x in producer and graph.node[producer[x]].op_type != "Constant"]
+                near += [where[c] for o in n.output for c in consumers.get(o, [])]
+                if not near or (strict and None in near):
+                    continue
+                placed = [p for p in near if p is not None]
+                where[i] = common(placed) if placed and "" not in placed else ""
+                changed = True
+    return [p or "" for p in where]
+
+
+# ---- the job (child process) and the item --------------------------------------------------------
+
+def localize_step_job(artifact: str, reference_path: str, out_dir: str) -> dict:
+    """Job function (child process): place the nodes, mark, run, extract and run each stage."""
+    import onnx
+
+    from .onnx_stages import (depends_on_inputs, float_boundaries, marked_copy, module_groups, run_onnx,
+                              stage_row)
+
+    ref = torch.load(reference_path, weights_only=False)
+    out = Path(out_dir)
+    model = onnx.load(artifact, load_external_data=False)
+    node_path, how = step_node_paths(model, ref["paths"], ref["roots"])
+    groups = float_boundaries(model, module_groups(model, [p for p, _ in ref["stages"]], node_path=node_path))
+    candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])]
+    marked = marked_copy(Path(artifact), out / "marked.onnx", candidates)
+    values = run_onnx(marked, ref["feed"])
+    marked.unlink()
+    local_ref = {**ref, "dynamic": depends_on_inputs(model)}
+    rows = {p: stage_row(p, what, groups.get(p), values, local_ref, Path(artifact), out) for p, what in ref["stages"]}
+    torch.save(rows, out / "stages.pt")
+    return {"names": how, "mapped": [p for p, r in rows.items() if r.get("mapped")]}
+
+
+def localize_step(session, artifact: Path, case_id: str, step: str, input_mapping: dict, rec, tol, run_dir: Path,
+                  variant: tuple[str, ...] = (), log=print) -> dict:
+    """Localize inside one step's ONNX on one case (exact lengths); fills `rec.bisect` with
+    onnx_stages' structure, so reports and the dashboard show it as a whole model's. `variant`:
+    the item's semantics-changing patches (a port's own STFT), carried by the module references."""
+    import dataclasses
+
+    from ..plumbing.files import atomic_write
+    from ..plumbing.jobs import run_job
+    from ..reference import module_captures
+    from ..verdict import comparator
+    from .onnx_stages import judge_row, stage_lines, write_repro
+
+    traces = session.traces(case_id)
+    ran = step_modules(session.model, step, traces, variant)
+    stages, skipped = choose_stages(ran)
+    if not stages:
+        rec.bisect = {"error": f"step {step!r} has no submodule with parameters below its module: judged whole"}
+        log(rec.bisect["error"])
+        return rec.bisect
+    try:
+        caps = module_captures(session.model, session.cases[case_id],
+                               dataclasses.replace(traces, captures={}) if variant else traces,
+                               [f"{p}:out" for p in stages] + [f"{p}:in" for p in stages if p in ran["tensor_in"]],
+                               variant)
+    except ValueError as e:  # a module the harness's steps do not run as a forward
+        rec.bisect = {"error": f"no module references for step {step!r}: {e}"}
+        log(rec.bisect["error"])
+        return rec.bisect
+    inputs = traces.inputs(step, "dynamic", "float32")
+    ref = {"feed": {port: inputs[name].numpy() for port, name in input_mapping.items()},
+           "fp32": {p: caps[(f"{p}:out", "float32")] for p in stages},
+           # no float64 capture where the float64 reference runs an LSTM packed (no tensor comes out):
+           # that stage is judged against float32 with the tolerance alone (a zero floor)
+           "fp64": {p: caps.get((f"{p}:out", "float64"), caps[(f"{p}:out", "float32")].double()) for p in stages},
+           "fp32_in": {p: [caps[(f"{p}:in", "float32")]] for p in stages if p in ran["tensor_in"]}}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_ref = {k: ref[k] for k in ("feed", "fp32", "fp32_in")}
+    job_ref.update(paths=ran["paths"], roots=step_roots(ran["order"]), stages=[(p, ran["types"][p]) for p in stages])
+    atomic_write(run_dir / "reference.pt", lambda f: torch.save(job_ref, f))
+    log(f"localizing inside {artifact.name} ({len(stages)} modules of step {step}): marking, extracting each ...")
+    result = run_job("harness.port.onnx_steps:localize_step_job",
+                     dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"), out_dir=str(run_dir)),
+                     run_dir / "job", session.limits.run_s * 2)
+    if not result.ok:
+        rec.bisect = {"error": f"localization failed: {result.error}"}
+        log(rec.bisect["error"])
+        return rec.bisect
+    rows = torch.load(run_dir / "stages.pt", weights_only=False)
+    check = comparator(tol)
+    table, first = [], None
+    for path in ran["order"]:
+        if path in skipped:
+            table.append({"stage": path, "what": ran["types"][path], "mapped": False, "why": skipped[path]})
+            continue
+        if path not in rows:
+            continue
+        row = rows[path]
+        entry = {"stage": path, "what": row["what"], "mapped": row.get("mapped", False)}
+        if not entry["mapped"]:
+            entry["why"] = row["why"]
+        else:
+            judge_row(entry, row, ref["fp32"][path], ref["fp64"][path], check)
+            if (f"{path}:out", "float64") not in caps:
+                entry["note"] = "no float64 capture (run packed in float64): against float32, the tolerance alone"
+            local, chained = entry.get("local") or {}, entry.get("chained") or {}
+            # a local error under a chain that holds means the cut was fed something other than the
+            # module's input (an exporter merged a computation of two modules): not the module's own
+            if local and not local["ok"] and chained.get("ok"):
+                entry["note"] = ("local cut fed otherwise (the export shares a computation with another module): "
+                                 "not this module's error, its chained value holds")
+            elif local and not local["ok"] and first is None:
+                first = path
+        table.append(entry)
+    names = result.value["names"] + (f"; references with {'+'.join(variant)}" if variant else "")
+    rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), "step": step, "names": names,
+                  "stages": table, "unmapped": [e["stage"] for e in table if not e["mapped"]]}
+    if first is not None:
+        rec.bisect["first_stage"] = first
+        rec.bisect["repro"] = write_repro(session.report_dir / "repro" / f"{case_id}-{step}-{artifact.stem}",
+                                          rows[first], ref, first, tol)
+    for line in stage_lines(rec.bisect):
+        log(line)
+    return rec.bisect
+
+
+def localize_artifact_item(session, item, rec, log=print) -> dict:
+    """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
+    other format is judged whole, with the reason in `rec.bisect`. Rewrites the record."""
+    from ..backends.prebuilt import kind_of
+
+    path = Path(item.path)
+    kind = kind_of(path)
+    why = None
+    if kind == "executorch":  # the ETRecord/ETDump localization (harness/port/pte_stages.py) plugs in here
+        why = f"{path.name}: a .pte is localized through ExecuTorch's ETRecord, not wired for step artifacts yet"
+    elif kind != "onnx":
+        why = f"{path.name}: a {kind} artifact exposes no intermediate values to the harness"
+    elif item.mode != "dynamic":
+        why = (f"{item.id}: module references exist for the exact lengths only (reference.module_captures); "
+               f"bisect the dynamic item")
+    elif not rec.audit.get("input_mapping"):
+        why = f"{item.id}: the artifact's inputs were never mapped to the step's"
+    if why:
+        rec.bisect = {"error": f"{why}: judged whole"}
+        log(rec.bisect["error"])
+    else:
+        from ..patches import affecting
+        from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES
+
+        tol = session.profile.for_(item.step, item.backend, item.mode)
+        variant = affecting([p for p in rec.patches if p not in REFERENCE_PATCHES["dynamic"]
+                             and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
+        localize_step(session, path, item.case, item.step, rec.audit["input_mapping"], rec, tol,
+                      session.report_dir / "runs" / item.id / "localize", variant, log)
+    rec.write(session.report_dir / "records")
+    return rec.bisect

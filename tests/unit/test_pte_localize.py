@@ -1,0 +1,142 @@
+"""`--bisect` on a `--artifact STEP=model.pte` item (harness/port/pte_stages.py): with the ETRecord
+saved at export, the module whose output is wrong is named through ExecuTorch's ETDump (intermediate
+outputs) and the ETRecord's debug handles; without one, the item is judged whole and says why."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+STACK_ROOT = ("L__self__", "", "harness.steps.TextEncoderStep")
+STACK_TE = ("L__self__kmodel.text_encoder", "kmodel.text_encoder", "kokoro.modules.TextEncoder")
+
+
+def test_module_stacks_map_to_kokoro_paths_relative_entries_and_repeated_calls(random_model):
+    """torch.export writes some entries relative to the calling module (`cnn.1` under
+    `kmodel.text_encoder`) and marks a module's later calls `@N`; a user's export of the module
+    itself names paths from it."""
+    from harness.port.pte_stages import kokoro_chain
+
+    km = random_model.kmodel
+    stack = [STACK_ROOT, STACK_TE, ("L__self__cnn.1", "cnn.1", "torch.nn.modules.container.Sequential"),
+             ("L__self__cnn.1.0", "cnn.1.0", "torch.nn.modules.conv.Conv1d")]
+    assert kokoro_chain(stack, km, "text_encoder") == [
+        ("text_encoder", 0), ("text_encoder.cnn.1", 0), ("text_encoder.cnn.1.0", 0)]
+    own = [("L__self__", "", "kokoro.modules.TextEncoder"),
+           ("L__self__cnn.2@1", "cnn.2", "torch.nn.modules.container.Sequential")]
+    assert kokoro_chain(own, km, "text_encoder") == [("text_encoder", 0), ("text_encoder.cnn.2", 1)]
+    assert kokoro_chain([STACK_ROOT, ("L__self__nowhere", "nowhere", "x.Y")], km, "text_encoder") == []
+
+
+def _events_and_handles():
+    """Three graph nodes of text_encoder.cnn.0: conv (handle 1), layer norm (2), activation (3),
+    then the text encoder's own mask (4)."""
+    cnn0 = [STACK_ROOT, STACK_TE, ("L__self__cnn.0", "cnn.0", "torch.nn.modules.container.Sequential")]
+    handles = {1: {"pos": 0, "stacks": [cnn0 + [("L__self__cnn.0.0", "cnn.0.0", "torch.nn.modules.conv.Conv1d")]]},
+               2: {"pos": 1, "stacks": [cnn0 + [("L__self__cnn.0.1", "cnn.0.1", "kokoro.modules.LayerNorm")]]},
+               3: {"pos": 2, "stacks": [cnn0 + [("L__self__cnn.0.2", "cnn.0.2", "torch.nn.LeakyReLU")]]},
+               4: {"pos": 3, "stacks": [[STACK_ROOT, STACK_TE]]}}
+    x = torch.ones(1, 4, 3)
+    op = lambda h, out, delegate=False: {"name": "DELEGATE_CALL" if delegate else "op", "ops": ["aten.x"],  # noqa: E731
+                                          "handles": h, "delegate": delegate, "backend": "XnnpackBackend", "out": out}
+    return handles, x, op
+
+
+def test_a_delegate_that_runs_past_a_modules_last_op_hides_it(random_model):
+    """A delegate logs only its outputs: a module whose last op sits inside a delegate call with later
+    ops has no boundary (said so); a portable op, or a delegate that ends with the module, has one."""
+    from harness.port.pte_stages import boundaries, handle_modules
+
+    handles, x, op = _events_and_handles()
+    chains = handle_modules(handles, random_model.kmodel, "text_encoder")
+    sizes = {p: x.numel() for c in chains.values() for p, _ in c}
+    events = [op((1, 2), x, delegate=True), op((3, 4), x, delegate=True)]
+    found, why = boundaries(events, handles, chains, sizes)
+    assert found == {"text_encoder.cnn.0.1": 0, "text_encoder": 1}
+    assert "delegate call with later ops" in why["text_encoder.cnn.0"]
+    assert "delegate call with later ops" in why["text_encoder.cnn.0.2"]
+    events = [op((1,), x), op((2,), x), op((3,), x), op((4,), torch.ones(5))]
+    found, why = boundaries(events, handles, chains, sizes)
+    assert found["text_encoder.cnn.0"] == 2 and found["text_encoder.cnn.0.2"] == 2
+    assert "outputs 5 values, the reference module 12" in why["text_encoder"]
+
+
+def test_the_etrecord_is_found_by_step_by_bare_path_or_beside_the_artifact(tmp_path):
+    from harness.artifacts import ArtifactItem
+    from harness.port.pte_stages import etrecord_for
+
+    pte = tmp_path / "enc.pte"
+    pte.write_bytes(b"")
+    item = ArtifactItem("c", "text_encoder", str(pte), "dynamic")
+    assert etrecord_for(item, []) is None
+    assert etrecord_for(item, ["decoder=d.etrecord", "text_encoder=t.etrecord"]).name == "t.etrecord"
+    assert etrecord_for(item, ["a.etrecord"]).name == "a.etrecord"
+    (tmp_path / "enc.etrecord").write_bytes(b"")
+    assert etrecord_for(item, ["decoder=d.etrecord"]) == tmp_path / "enc.etrecord"
+
+
+# ---- end to end: a .pte with one defect, on the tiny case (slow: references, export, two runs) ----
+
+@pytest.fixture(scope="module")
+def tiny_session(tmp_path_factory):
+    from harness.cases import load_cases, write_case
+    from harness.plumbing.cache import CACHE_ENV
+    from harness.runner import Limits, Session
+
+    root = tmp_path_factory.mktemp("tiny-pte")
+    write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root / "cache"))
+        s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(compile_s=600))
+        s._cases = {c.id: c for c in load_cases(root / "cases")}
+        yield s
+
+
+def _export_with_a_sign_flip(session, out_dir, module_path: str):
+    """text_encoder of the tiny case, portable kernels only (every op logs its output), with the
+    output of `module_path` negated during export, and its ETRecord."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    from harness.backends import get_backend
+    from harness.patches import apply_patches
+    from harness.steps import get_step
+
+    inputs = session.traces("tiny").inputs("text_encoder", "dynamic", "float32")
+    km = apply_patches(session.model.kmodel, list(get_backend("portable").patches))
+    hook = km.get_submodule(module_path).register_forward_hook(lambda m, args, out: -out)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(get_step("text_encoder").module(km), tuple(inputs.values()), strict=False)
+    finally:
+        hook.remove()
+    manager = to_edge_transform_and_lower(program, generate_etrecord=True).to_executorch()
+    (out_dir / "enc.pte").write_bytes(manager.buffer)
+    manager.get_etrecord().save(str(out_dir / "enc.etrecord.bin"))
+    return out_dir / "enc.pte", out_dir / "enc.etrecord.bin"
+
+
+@pytest.mark.slow
+def test_a_sign_flip_in_one_module_is_named_through_the_etrecord(tiny_session, tmp_path):
+    from harness.artifacts import ArtifactItem, check_artifact
+    from harness.port.pte_stages import localize_pte
+    from harness.record import read_records
+    from harness.verdict import Verdict
+
+    pte, etrecord = _export_with_a_sign_flip(tiny_session, tmp_path, "text_encoder.cnn.1")
+    item = ArtifactItem("tiny", "text_encoder", str(pte), "dynamic")
+    rec = check_artifact(tiny_session, item)
+    assert rec.verdict is Verdict.FAIL, rec.reason
+    lines = []
+    b = localize_pte(tiny_session, item, rec, etrecord, log=lines.append)
+    assert b["kind"] == "pte-etdump" and b["first_stage"] == "text_encoder.cnn.1", "\n".join(lines)
+    rows = {r["stage"]: r for r in b["stages"]}
+    assert rows["text_encoder.cnn.1"]["chained"]["kind"].startswith("sign flip")
+    assert "the defect is in the export" in rows["text_encoder.cnn.1"]["chained"]["kind"]  # runtime = its graph
+    assert all(rows[p]["chained"]["ok"] for p in ("text_encoder.embedding", "text_encoder.cnn.0", "text_encoder.cnn.1.0"))
+    assert "first mapped module whose error leaves its tolerance: text_encoder.cnn.1" in lines
+    assert b["graph_gap_error"] is None  # ExecuTorch's calculate_numeric_gap ran
+    written = {r.item_id: r for r in read_records(tiny_session.report_dir / "records")}
+    assert written[item.id].bisect["first_stage"] == "text_encoder.cnn.1"
+
+    rec = check_artifact(tiny_session, item)
+    b = localize_pte(tiny_session, item, rec, None, log=lines.append)
+    assert "judged whole: no ETRecord" in b["error"] and "generate_etrecord=True" in b["error"]
