@@ -643,28 +643,37 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
     log(f"float16 everywhere, {len(targets)} case(s):")
     before = current = run_all([])
     smallest = smallest_per_step(targets)
-    audit = []
+    audits: dict[str, list[dict]] = {}  # per step (two for e2e): a case is helped only by modules its step runs
+    ranked: dict[str, list[str]] = {}
     for small in smallest:
         log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({small.case}, the "
             f"smallest)")
-        audit += module_audit(small.module, small.inputs, depth, emulate=emulate)
-    audit.sort(key=_audit_order)
+        audits[small.step.name] = module_audit(small.module, small.inputs, depth, emulate=emulate)
+        ranked[small.step.name] = candidates(audits[small.step.name], small.step.module_path)
+        log("  candidates: " + ", ".join(ranked[small.step.name][:top_k * 3]))
+    audit = sorted((r for rows in audits.values() for r in rows), key=_audit_order)
     root = step.module_path
-    ranked = candidates(audit, root)
-    log("  candidates: " + ", ".join(ranked[:top_k * 3]))
     keep: list[str] = []
     rounds = []
+    stuck: set[int] = set()  # cases no candidate of their step helps: the search goes on with the others
     while not all(e.shippable for e in current) and len(keep) < max_size:
-        worst = max(range(len(targets)), key=lambda i: current[i].badness)
+        open_cases = [i for i in range(len(targets)) if not current[i].shippable and i not in stuck]
+        if not open_cases:
+            break
+        worst = max(open_cases, key=lambda i: current[i].badness)
+        in_step = audits[targets[worst].step.name]
         # the modules that feed a kept one first: an island's input arrives rounded to float16 otherwise
         # (SineGen integrates its F0: a float16 F0 is a frequency error that the phase accumulates)
-        by_module = {r["module"]: r for r in audit}
+        by_module = {r["module"]: r for r in in_step}
         feeding = [p for k in keep for p in by_module.get(k, {}).get("producers", [])
-                   if not under(p, keep) and not any(k.startswith(p + ".") for k in keep) and p != root]
-        options = list(dict.fromkeys([*feeding, *(c for c in ranked if not under(c, keep))]))[:top_k]
+                   if not under(p, keep) and not any(k.startswith(p + ".") for k in keep) and p != root
+                   and p in by_module]
+        options = list(dict.fromkeys([*feeding, *(c for c in ranked[targets[worst].step.name]
+                                                  if not under(c, keep))]))[:top_k]
         if not options:
-            log("  no candidate left")
-            break
+            log(f"  no candidate left for {targets[worst].case}")
+            stuck.add(worst)
+            continue
         log(f"round {len(rounds) + 1}: on {targets[worst].case} (distance {current[worst].badness:.3f}), trying "
             + ", ".join(options))
         tried = {}
@@ -677,10 +686,11 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
         best = min(tried, key=lambda c: tried[c].badness)
         rounds.append({"case": targets[worst].case, "tried": {c: e.badness for c, e in tried.items()}, "chosen": best})
         if tried[best].badness >= current[worst].badness - 1e-6:
-            log("  no candidate lowers the distance: stop")
-            break
+            log(f"  no candidate lowers {targets[worst].case}'s distance: on with the other cases")
+            stuck.add(worst)
+            continue
         keep = _normalize([*keep, best])
-        ranked = [c for c in ranked if c != best]
+        ranked = {name: [c for c in rows if c != best] for name, rows in ranked.items()}
         log(f"  keep {best}")
         current = run_all(keep)
     if all(e.shippable for e in current) and len(keep) > 1:

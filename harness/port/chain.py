@@ -8,17 +8,25 @@ as the app runs it. Per stage: the local error against its fp32 floor, the chain
 of difference; durations where a stage outputs them; the audio of the last stage against the
 noise band when the stage draws its own noise. The reason names the first stage whose *local*
 error leaves its floor: a defect of its own, not the error the chain accumulated.
+
+A user's host glue (`glue:` in the port file) is judged like a stage, row `glue:<tensor>`: fed the
+reference's values (local) and the chain's (chained). A bucketed stage (`buckets:`) gets its
+inputs padded to the bucket that fits (the harness's padding rules: harness.steps' pad values,
+the bucket's own prefix of the case's noise) and its outputs trimmed to the valid length.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import tensors
-from .portfile import Port, PortError, StageSpec
+from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
+
+from ..model import SAMPLES_PER_FRAME
 
 MAX_SHIFT = 64  # samples (or positions) tried when naming a difference a shift
 
@@ -122,24 +130,49 @@ def run_chain(session, port: Port, item: PortItem, rec) -> None:
             raise PortError(str(e)) from None
     chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
     first_local = None
+    try:
+        user = {name: UserGlue(spec, resolve_glue(spec, port.root)) for name, spec in port.spec.glue.items()}
+    except ValueError as e:
+        raise PortError(f"field 'glue': {e}") from None
+    judged_glue: set[tuple[str, str]] = set()
     for i, stage in enumerate(port.stages):
         tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
+        try:
+            own = {ref.tensor: UserGlue(ref.glue, resolve_glue(ref.glue, port.root))
+                   for ref in stage.inputs.values() if ref.glue is not None}
+        except ValueError as e:
+            raise PortError(f"stage {stage.name!r}, field 'inputs.*.glue': {e}") from None
+        used = set().union(*(glue_used(r.tensor, chained, user) for r in stage.inputs.values() if r.glue is None))
+        glued = {**{t: user[t] for t in sorted(used)}, **own}
+        for tensor, g in glued.items():
+            if (g.spec, tensor) not in judged_glue:  # the user's host code: a row of its own
+                judged_glue.add((g.spec, tensor))
+                row = judge_glue(g, tensor, chained, traces, user, tol, stage)
+                rec.stages.append(row)
+                if not row["local_ok"] and first_local is None:
+                    first_local = (row["stage"], tensor, row["outputs"][tensor]["local"])
         local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
-        local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces)
+        meta: dict = {}
+        local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces,
+                              valid_lengths(traces) if stage.buckets else None, meta)
         if local_out is None:
             return
-        if i == 0:
+        if i == 0 and not glued:
             chained_out = local_out
         else:
-            chain_in = {ref.tensor: glue(ref.tensor, chained, traces) for ref in stage.inputs.values()}
-            chained_out = run_stage(session, port, stage, chain_in, rec, item, "chained", traces)
+            chain_in = {ref.tensor: own[ref.tensor](glue_view(chained, traces, user)) if ref.tensor in own
+                        else glue(ref.tensor, chained, traces, user) for ref in stage.inputs.values()}
+            chained_out = run_stage(session, port, stage, chain_in, rec, item, "chained", traces,
+                                    valid_lengths(traces, chained, user) if stage.buckets else None, meta)
             if chained_out is None:
                 return
         chained.update(chained_out)
         row = {"stage": stage.name, "artifact": stage.artifact, "precision": stage.precision, "outputs": {}}
+        if meta:
+            row["bucket"] = meta
         for tensor in chained_out:
             local = judge_tensor(tensor, local_out[tensor], traces, tol, stage)
-            chain = local if i == 0 else judge_tensor(tensor, chained_out[tensor], traces, tol, stage)
+            chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol, stage)
             row["outputs"][tensor] = {"local": local, "chained": chain}
             if not local.get("ok", True) and first_local is None:
                 first_local = (stage.name, tensor, local)
@@ -163,15 +196,66 @@ def boundary(name: str, traces) -> torch.Tensor:
     return tensors.reference(name, traces, "float32")
 
 
-def glue(name: str, values: dict[str, torch.Tensor], traces) -> torch.Tensor:
-    """A chained stage's input: an earlier stage's output, the host glue over them (the harness's
-    own reference code), or the case's input."""
+@dataclass(frozen=True)
+class UserGlue:
+    """A user's host glue: `package.module:function`, called with the Kokoro tensors so far."""
+
+    spec: str
+    fn: object
+
+    def __call__(self, values: Mapping) -> torch.Tensor:
+        try:
+            value = self.fn(values)
+        except PortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code: its error, named
+            raise PortError(f"glue {self.spec!r} raised {type(e).__name__}: {e}") from None
+        try:
+            return torch.as_tensor(value)
+        except Exception:  # noqa: BLE001
+            raise PortError(f"glue {self.spec!r} returned a {type(value).__name__}, not a tensor") from None
+
+
+class GlueView(Mapping):
+    """What a user's glue reads: any Kokoro tensor at this point of the chain (an earlier stage's
+    output, the case's, or the host glue over them), computed when it is read."""
+
+    def __init__(self, get):
+        self._get, self._seen = get, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if not tensors.known(name):
+            raise KeyError(f"{name!r} is not a Kokoro tensor (docs/own-port.md)")
+        if name not in self._seen:
+            self._seen[name] = self._get(name)
+        return self._seen[name]
+
+    def __iter__(self):
+        return iter(tensors.VOCAB)
+
+    def __len__(self) -> int:
+        return len(tensors.VOCAB)
+
+
+def glue_view(values: dict, traces, user: dict, without: str | None = None) -> GlueView:
+    """The chain's values for a user's glue; `without`: the tensor that glue computes (it reads the
+    harness's own value of it, e.g. to pad it to its bucket)."""
+    others = {k: g for k, g in user.items() if k != without}
+    return GlueView(lambda n: glue(n, values, traces, others))
+
+
+def glue(name: str, values: dict[str, torch.Tensor], traces, user: dict | None = None) -> torch.Tensor:
+    """A chained stage's input: an earlier stage's output, the user's host glue (`glue:`), the host
+    glue over them (the harness's own reference code), or the case's input."""
+    user = user or {}
     if name in values:
         return values[name]
+    if name in user:
+        return user[name](glue_view(values, traces, user, without=name))
     if name == "pred_dur" and "duration" in values:
         return torch.round(values["duration"].reshape(-1)[: traces.valid.tokens]).clamp(min=1).long()
     if name in ("aln", "frame_lengths"):
-        pred = glue("pred_dur", values, traces)
+        pred = glue("pred_dur", values, traces, user)
         frames = int(pred.sum())
         if name == "frame_lengths":
             return torch.tensor([frames])
@@ -179,23 +263,117 @@ def glue(name: str, values: dict[str, torch.Tensor], traces) -> torch.Tensor:
         aln[0, torch.repeat_interleave(torch.arange(len(pred)), pred), torch.arange(frames)] = 1
         return aln
     if name == "en":
-        return glue("d", values, traces).transpose(-1, -2) @ glue("aln", values, traces)
+        return glue("d", values, traces, user).transpose(-1, -2) @ glue("aln", values, traces, user)
     if name == "asr":
-        return glue("t_en", values, traces) @ glue("aln", values, traces)
+        return glue("t_en", values, traces, user) @ glue("aln", values, traces, user)
     if name in tensors.NOISE:
-        return noise_for(name, values, traces)
+        return noise_for(name, values, traces, user)
     return boundary(name, traces)
 
 
-def noise_for(name: str, values: dict, traces) -> torch.Tensor:
-    """The case's noise, cut to the chained frames (every length takes a prefix of the same draw)."""
-    from ..model import SAMPLES_PER_FRAME
+def glue_used(name: str, values: dict, user: dict) -> set[str]:
+    """The tensors whose user glue `glue(name, values, ...)` calls: directly, or under the
+    harness's glue (`asr = t_en @ aln` with the user's `aln`)."""
+    from .portfile import HOST_GLUE
 
+    if name in values:
+        return set()
+    if name in user:
+        return {name}
+    deps = HOST_GLUE.get(name, ()) + (("frame_lengths",) if name in tensors.NOISE and name != "rand_ini" else ())
+    return set().union(*(glue_used(d, values, user) for d in deps))
+
+
+def valid_lengths(traces, values: dict | None = None, user: dict | None = None) -> dict[str, int]:
+    """The valid length per axis unit: the reference's (local), or the chain's frames (from its
+    durations, or the user's `frame_lengths` glue)."""
+    frames = traces.valid.frames if values is None else int(glue("frame_lengths", values, traces, user))
+    return {"tokens": traces.valid.tokens, "frames": frames, "frames2": 2 * frames,
+            "samples": frames * SAMPLES_PER_FRAME}
+
+
+def trim(name: str, value: torch.Tensor, valid: dict[str, int]) -> torch.Tensor:
+    """A Kokoro tensor cut to the valid length along its unit axes (a bucket's padding dropped)."""
+    t = tensors.VOCAB.get(name)
+    if t is None or value.dim() != t.shape.count(",") + 1:
+        return value
+    for axis, unit in t.axes.items():
+        if value.shape[axis] > valid[unit]:
+            value = value.narrow(axis, 0, valid[unit])
+    return value.contiguous()
+
+
+def pad_to_bucket(stage: StageSpec, values: dict, bucket: int, traces) -> dict[str, torch.Tensor]:
+    """A bucketed stage's inputs padded to `bucket` along the axes in its unit, with the harness's
+    rules (harness.reference.pad_inputs): each step input's pad value (text_mask: True), zero
+    rows and columns of the alignment, and for the noise the bucket's own prefix of the case's draw."""
+    units = BUCKET_UNITS[stage.bucket_unit]
+    out = {}
+    for name, value in values.items():
+        if name in tensors.NOISE and name != "rand_ini":
+            full = traces.chain[f"case_{name}"]
+            need = bucket * units.get("samples", 0) or value.shape[1]
+            if full.shape[1] < need:
+                raise PortError(f"stage {stage.name!r}, field 'buckets': the case's {name} covers "
+                                f"{full.shape[1]} samples, bucket {bucket} needs {need}")
+            out[name] = full[:, :need].contiguous()
+            continue
+        t = tensors.VOCAB.get(name)
+        if t is not None and value.dim() == t.shape.count(",") + 1:
+            for axis, unit in t.axes.items():
+                if unit not in units:
+                    continue
+                extra = bucket * units[unit] - value.shape[axis]
+                if extra < 0:
+                    raise PortError(f"stage {stage.name!r}, field 'buckets': {name} has {value.shape[axis]} {unit}, "
+                                    f"more than bucket {bucket} holds ({bucket * units[unit]})")
+                if extra:
+                    shape = list(value.shape)
+                    shape[axis] = extra
+                    value = torch.cat([value, torch.full(shape, _pad_value(name), dtype=value.dtype)], dim=axis)
+        out[name] = value.contiguous()
+    return out
+
+
+def _pad_value(name: str) -> float:
+    from ..steps import STEPS
+
+    return next((t.pad_value for s in STEPS for t in (*s.inputs, *s.outputs) if t.name == name), 0.0)
+
+
+def bucket_size(stage: StageSpec, values: dict) -> int:
+    """The length a bucket must hold, in the bucket's unit: the longest of the stage's inputs
+    along their axes in that unit (a user's glue that pads an input chooses the bucket)."""
+    units = BUCKET_UNITS[stage.bucket_unit]
+    sizes = []
+    for name, value in values.items():
+        t = tensors.VOCAB.get(name)
+        if t is None or name in tensors.NOISE or value.dim() != t.shape.count(",") + 1:
+            continue
+        sizes += [-(-value.shape[axis] // units[u]) for axis, u in t.axes.items() if u in units]
+    if not sizes:
+        raise PortError(f"stage {stage.name!r}, field 'buckets': no input with a {stage.bucket_unit} axis")
+    return max(sizes)
+
+
+def judge_glue(g: UserGlue, tensor: str, chained: dict, traces, user: dict, tol, stage: StageSpec) -> dict:
+    """The user's host glue as a row: fed the reference's values (local) and the chain's (chained),
+    its value (trimmed to the valid length) against the reference's tensor."""
+    local = trim(tensor, g(GlueView(lambda n: glue(n, {}, traces))), valid_lengths(traces))
+    chain = trim(tensor, g(glue_view(chained, traces, user, without=tensor)), valid_lengths(traces, chained, user))
+    out = {"local": judge_tensor(tensor, local, traces, tol, stage),
+           "chained": judge_tensor(tensor, chain, traces, tol, stage)}
+    return {"stage": f"glue:{tensor}", "artifact": g.spec, "precision": "float32", "outputs": {tensor: out},
+            "local_ok": out["local"].get("ok", True), "chained_ok": out["chained"].get("ok", True)}
+
+
+def noise_for(name: str, values: dict, traces, user: dict | None = None) -> torch.Tensor:
+    """The case's noise, cut to the chained frames (every length takes a prefix of the same draw)."""
     full = traces.chain[f"case_{name}"]
     if name == "rand_ini":
         return full
-    frames = int(glue("frame_lengths", values, traces)) if ("pred_dur" in values or "duration" in values) \
-        else traces.valid.frames
+    frames = int(glue("frame_lengths", values, traces, user)) \
+        if ("pred_dur" in values or "duration" in values or "frame_lengths" in (user or {})) else traces.valid.frames
     return full[:, : frames * SAMPLES_PER_FRAME].contiguous()
 
 
@@ -233,18 +411,23 @@ def from_artifact(value: torch.Tensor, name: str, declared_dtype: str | None) ->
     return value
 
 
-def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, role: str, traces):
-    """Run one stage's artifact (the bucket that fits) on Kokoro tensors; its outputs as Kokoro
-    tensors, or None with the record's verdict set."""
+def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, role: str, traces,
+              valid: dict[str, int] | None = None, meta: dict | None = None):
+    """Run one stage's artifact on Kokoro tensors; its outputs as Kokoro tensors, or None with the
+    record's verdict set. A bucketed stage runs the bucket that fits, its inputs padded to it and
+    its outputs trimmed to `valid` (valid_lengths); `meta[role]` records the bucket."""
     from ..backends.prebuilt import PrebuiltBackend, ports_from_job
     from ..plumbing.jobs import cached_job, run_job
     from ..runner import failed
     from ..verdict import Verdict
 
-    frames = None
+    bucket = None
     if stage.buckets:
-        frames = next((int(v.shape[-1]) for k, v in values.items() if k in ("aln", "en", "asr")), None)
-    path = stage.file_for(port.root, frames)
+        bucket = stage.bucket_for(bucket_size(stage, values))
+        values = pad_to_bucket(stage, values, bucket, traces)
+        if meta is not None:
+            meta[role] = bucket
+    path = stage.file_for(port.root, bucket)
     backend = PrebuiltBackend(path)
     tag = f"{stage.name}.{role}." if len(port.stages) > 1 else ""
     ok, why = backend.available()
@@ -295,6 +478,8 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
             result_values[ref.tensor] = from_artifact(value, ref.tensor, ref.dtype)
         except Exception as e:  # noqa: BLE001
             raise PortError(f"stage {stage.name!r}, output {name!r}: {e}") from None
+        if bucket is not None:
+            result_values[ref.tensor] = trim(ref.tensor, result_values[ref.tensor], valid or valid_lengths(traces))
     return result_values
 
 

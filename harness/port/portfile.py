@@ -11,13 +11,20 @@ work starts and raises ONE `PortError` naming the file, the stage and the field.
         inputs:  {tokens: input_ids, style: ref_s, speed: speed}
         outputs: {audio: audio}           # or {audio: {tensor: audio, dtype: int16}}
 
+The host glue between stages is the harness's own reference code, or a user callable
+(`glue: package.module:function`, per port for a Kokoro tensor or per stage input) where the port's
+host code differs (another alignment rule, its own bucket choice).
+
 The whole-model file (`--artifact e2e=PATH`) is a one-stage port built by `guess_port`;
 `--artifact STEP=PATH` a one-stage port whose boundaries are a step's.
 """
 from __future__ import annotations
 
+import importlib
+import re
+import sys
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -36,10 +43,17 @@ class PortError(ValueError):
     """A port file (or an artifact's declared inputs and outputs) that cannot be run."""
 
 
+GLUE_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# the units a bucket can be in (`{frames}` or `{tokens}` in the file name), and the axis units of
+# the vocabulary that scale with it: unit -> length in the bucket's unit
+BUCKET_UNITS = {"frames": {"frames": 1, "frames2": 2, "samples": 600}, "tokens": {"tokens": 1}}
+
+
 class TensorRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tensor: str
     dtype: str | None = None  # the artifact's side, when it differs from the vocabulary's (float16, int32)
+    glue: str | None = None  # a stage input computed by the user's host code: `package.module:function`
 
     @field_validator("tensor")
     @classmethod
@@ -69,25 +83,48 @@ class StageSpec(BaseModel):
     def _refs(cls, v):
         return {k: _ref(x) for k, x in (v or {}).items()}
 
+    @property
+    def bucket_unit(self) -> str | None:
+        """`tokens` when the file name holds `{tokens}`, else `frames` (for a bucketed stage)."""
+        if not self.buckets:
+            return None
+        return "tokens" if "{tokens}" in self.artifact else "frames"
+
     def files(self, root: Path) -> list[Path]:
         if self.buckets:
             return [root / self.artifact.format(frames=b, tokens=b) for b in self.buckets]
         return [root / self.artifact]
 
-    def file_for(self, root: Path, size: int | None = None) -> Path:
+    def bucket_for(self, size: int) -> int:
+        """The smallest bucket that holds `size` (in the bucket's unit)."""
+        fits = [b for b in sorted(self.buckets or ()) if b >= size]
+        if not fits:
+            raise PortError(f"stage {self.name!r}, field 'buckets': {size} {self.bucket_unit} exceed the largest "
+                            f"bucket {max(self.buckets)}")
+        return fits[0]
+
+    def file_for(self, root: Path, bucket: int | None = None) -> Path:
+        """The artifact of `bucket` (a size from `bucket_for`), or the stage's one file."""
         if not self.buckets:
             return root / self.artifact
-        fits = [b for b in sorted(self.buckets) if size is not None and b >= size]
-        if not fits:
-            raise PortError(f"stage {self.name!r}, field 'buckets': {size} exceeds the largest bucket "
-                            f"{max(self.buckets)}")
-        return root / self.artifact.format(frames=fits[0], tokens=fits[0])
+        if bucket is None:
+            raise PortError(f"stage {self.name!r}, field 'buckets': a bucketed stage runs one bucket at a time")
+        return root / self.artifact.format(frames=bucket, tokens=bucket)
 
 
 class PortSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
+    glue: dict[str, str] = Field(default_factory=dict)  # Kokoro tensor -> `package.module:function`
     stages: list[StageSpec] = Field(min_length=1)
+
+    @field_validator("glue")
+    @classmethod
+    def _glue_tensors(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not tensors.known(name):
+                raise ValueError(f"glue for unknown Kokoro tensor {name!r}; known: {', '.join(tensors.VOCAB)}")
+        return v
 
 
 class Port:
@@ -103,6 +140,35 @@ class Port:
     @property
     def stages(self) -> list[StageSpec]:
         return self.spec.stages
+
+    def glue_for(self, ref: TensorRef) -> str | None:
+        """The user callable that computes this stage input, if any: the input's own `glue`, else
+        the port's for its tensor."""
+        return ref.glue or self.spec.glue.get(ref.tensor)
+
+
+def resolve_glue(spec: str, root: Path | None = None) -> Callable:
+    """`package.module:function` -> the function, importable from the environment or from the
+    port file's directory; ValueError saying why not."""
+    if not GLUE_SPEC.match(spec):
+        raise ValueError(f"{spec!r} is not `package.module:function`")
+    module_name, _, attr = spec.partition(":")
+    added = root is not None and str(root) not in sys.path
+    if added:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure: one clear error
+        raise ValueError(f"cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    finally:
+        if added:
+            sys.path.remove(str(root))
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"module {module_name!r} has no {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{spec!r} is a {type(fn).__name__}, not a callable")
+    return fn
 
 
 def _where(source: str, stage: str | None, field: str) -> str:
@@ -147,23 +213,64 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise PortError(f"{_where(port.source, sorted(dup)[0], 'name')}: stage names must be unique")
+    for name, spec in port.spec.glue.items():
+        _check_glue(port, None, f"glue.{name}", spec)
+    available |= set(port.spec.glue)  # the user's host glue computes them
     for stage in port.stages:
         for side, refs in (("inputs", stage.inputs), ("outputs", stage.outputs)):
             for io_name, ref in refs.items():
                 why = tensors.unknown_module(ref.tensor) if tensors.MODULE_REF.match(ref.tensor) else None
                 if why:
                     raise PortError(f"{_where(port.source, stage.name, f'{side}.{io_name}')}: {ref.tensor!r}: {why}")
+                if ref.glue is not None:
+                    if side == "outputs":
+                        raise PortError(f"{_where(port.source, stage.name, f'outputs.{io_name}.glue')}: glue "
+                                        f"computes a stage's input; an output comes from the artifact")
+                    _check_glue(port, stage.name, f"inputs.{io_name}.glue", ref.glue)
+        _check_buckets(port, stage)
         for f in stage.files(port.root):
             if not f.exists():
                 raise PortError(f"{_where(port.source, stage.name, 'artifact')}: {f} does not exist")
         for io_name, ref in stage.inputs.items():
-            if stage is not port.stages[0] and not _producible(ref.tensor, available):
+            if ref.glue is None and stage is not port.stages[0] and not _producible(ref.tensor, available):
                 raise PortError(f"{_where(port.source, stage.name, f'inputs.{io_name}')}: {ref.tensor!r} is "
                                 f"neither given by the case nor produced by an earlier stage or the host glue "
                                 f"(the chain does not connect)")
         available |= {r.tensor for r in stage.outputs.values()}
         if describe_artifacts:
             check_declared(port, stage)
+
+
+def _check_glue(port: Port, stage: str | None, field: str, spec: str) -> None:
+    try:
+        resolve_glue(spec, port.root)
+    except ValueError as e:
+        raise PortError(f"{_where(port.source, stage, field)}: {e}") from None
+
+
+def _check_buckets(port: Port, stage: StageSpec) -> None:
+    """`buckets:` with `{frames}` or `{tokens}` in the file name, and an input whose axes give the
+    length a bucket is chosen by; every input and output padded or trimmed must have known axes."""
+    where = _where(port.source, stage.name, "buckets")
+    marked = "{frames}" in stage.artifact or "{tokens}" in stage.artifact
+    if not stage.buckets:
+        if marked:
+            raise PortError(f"{_where(port.source, stage.name, 'artifact')}: {stage.artifact!r} names a bucket "
+                            f"but the stage has no `buckets:`")
+        return
+    if not marked:
+        raise PortError(f"{where}: the artifact {stage.artifact!r} has no `{{frames}}` or `{{tokens}}` in its name")
+    if min(stage.buckets) < 1:
+        raise PortError(f"{where}: bucket sizes must be positive, got {stage.buckets}")
+    units = BUCKET_UNITS[stage.bucket_unit]
+    for side, refs in (("inputs", stage.inputs), ("outputs", stage.outputs)):
+        for io_name, ref in refs.items():
+            if tensors.MODULE_REF.match(ref.tensor):
+                raise PortError(f"{where}: {side[:-1]} {io_name!r} is the module reference {ref.tensor!r}, whose "
+                                f"axes the harness does not know: a bucketed stage's inputs and outputs must be "
+                                f"vocabulary tensors (padding and trimming go by their axes)")
+    if not any(u in units for ref in stage.inputs.values() for u in tensors.VOCAB[ref.tensor].axes.values()):
+        raise PortError(f"{where}: no input of the stage has a {stage.bucket_unit} axis to choose the bucket by")
 
 
 def _producible(name: str, available: set[str], depth: int = 0) -> bool:

@@ -9,12 +9,16 @@ replicates instead of reflecting and approximates the inverse (it moves the audi
 convolutions, equal to them within float32 rounding, so a clean split is judged clean.
 
 A stage can carry a known defect, which the chain must name (tests/unit/test_port_examples.py):
-its outputs times a constant (`Defect`: gain 1.1, or -1 for a sign flip), or, in a stage with the
+its outputs times a constant (`Defect`: gain 1.1, or -1 for a sign flip); in a stage with the
 harmonic source's STFT, the ONNX exporter's own atan2 (-pi where torch gives pi: the defect of a
-public Core ML port's noise stage, heard as clicks).
+public Core ML port's noise stage, heard as clicks); and the trace mistakes the public ports'
+authors found by hand: dropout left active (`dropout`), weight_norm left unnormalized
+(`weight_norm`: the raw direction `weight_v` as the weight), float inputs rounded to float16
+inside a stage the chain declares float32 (`fp16_inputs`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,18 +145,32 @@ def generator_tail(gen: nn.Module, stft: ExactSTFT, x) -> torch.Tensor:
 
 
 class _Stage(nn.Module):
+    # the Kokoro modules the stage runs (where the `dropout` and `weight_norm` defects apply)
+    kokoro_modules: tuple[str, ...] = ()
+
     def __init__(self, km: nn.Module, raw_atan2: bool = False):
         super().__init__()
         self.km, self.raw_atan2 = km, raw_atan2  # raw_atan2: the exporter's own atan2 (a known defect)
 
 
+_POST_ALBERT = ("bert_encoder", "predictor.text_encoder", "predictor.lstm", "predictor.duration_proj")
+_PROSODY = ("predictor.shared", "predictor.F0", "predictor.N", "predictor.F0_proj", "predictor.N_proj", "text_encoder")
+_NOISE = ("decoder.generator.f0_upsamp", "decoder.generator.m_source")
+_VOCODER = ("decoder.F0_conv", "decoder.N_conv", "decoder.encode", "decoder.asr_res", "decoder.decode",
+            "decoder.generator.noise_convs", "decoder.generator.noise_res", "decoder.generator.ups",
+            "decoder.generator.resblocks", "decoder.generator.conv_post")
+
+
 class Albert(_Stage):
+    kokoro_modules = ("bert",)
+
     def forward(self, input_ids, attention_mask):
         return BertStep(self.km)(input_ids, attention_mask)
 
 
 class PostAlbert(_Stage):
     """bert_encoder, the duration encoder, the duration LSTM and projection: durations and d."""
+    kokoro_modules = _POST_ALBERT
 
     def forward(self, bert_dur, s_pred, input_lengths, text_mask, speed):
         stage = DurationStageStep(self.km)
@@ -161,6 +179,8 @@ class PostAlbert(_Stage):
 
 
 class Duration(_Stage):
+    kokoro_modules = ("bert", *_POST_ALBERT)
+
     def forward(self, input_ids, attention_mask, s_pred, input_lengths, text_mask, speed):
         return DurationStageStep(self.km)(input_ids, attention_mask, s_pred, input_lengths, text_mask, speed)
 
@@ -168,6 +188,7 @@ class Duration(_Stage):
 class Prosody(_Stage):
     """F0 and energy from the aligned `d`, and the text encoder aligned to frames (`asr`); the
     alignment comes from the host."""
+    kokoro_modules = _PROSODY
 
     def forward(self, d, aln, s_pred, input_ids, input_lengths, text_mask):
         F0, N = F0NStep(self.km)._forward(d.transpose(-1, -2) @ aln, s_pred, None)
@@ -176,12 +197,16 @@ class Prosody(_Stage):
 
 
 class Noise(_Stage):
+    kokoro_modules = _NOISE
+
     def forward(self, F0_pred, rand_ini, sine_noise):
         gen = self.km.decoder.generator
         return harmonic_source(gen, _stft(gen, self.raw_atan2), F0_pred, rand_ini, sine_noise)
 
 
 class Vocoder(_Stage):
+    kokoro_modules = _VOCODER
+
     def forward(self, asr, F0_pred, N_pred, s_dec, har):
         dec = self.km.decoder
         return generator_body(dec.generator, decoder_front(dec, asr, F0_pred, N_pred, s_dec), s_dec, har)
@@ -194,6 +219,8 @@ class Tail(_Stage):
 
 
 class Decoder(_Stage):
+    kokoro_modules = (*_NOISE, *_VOCODER)
+
     def forward(self, asr, F0_pred, N_pred, s_dec, rand_ini, sine_noise):
         dec = self.km.decoder
         gen, stft = dec.generator, _stft(dec.generator, self.raw_atan2)
@@ -213,6 +240,70 @@ class Defect(nn.Module):
         out = self.stage(*args)
         scale = lambda t: t * self.gain if t.is_floating_point() else t  # noqa: E731
         return tuple(scale(t) for t in out) if isinstance(out, tuple) else scale(out)
+
+
+class HalfInputs(nn.Module):
+    """A stage whose float inputs are rounded to float16 inside it (a Cast to float16 and back in
+    the graph) while the chain declares them float32: a port converting too early."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        return self.stage(*(a.half().float() if a.is_floating_point() else a for a in args))
+
+
+class ActiveDropout(nn.Module):
+    """nn.Dropout as a trace in train mode records it: a random mask (RandomUniformLike in ONNX,
+    seeded after export), the kept values scaled by 1 / (1 - p). ONNX's own Dropout op would not
+    do: onnxruntime's graph optimizer removes it even with training_mode set."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return x * (torch.rand_like(x) >= self.p).to(x.dtype) / (1 - self.p)
+
+
+@functools.lru_cache(maxsize=1)
+def _empty_kmodel() -> nn.Module:
+    from ..model import build_empty_kmodel
+
+    return build_empty_kmodel()
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in roots)
+
+
+def active_dropouts(km: nn.Module, roots: tuple[str, ...]) -> list[str]:
+    """The stage's dropout modules that drop anything (p > 0); kokoro's functional dropouts are
+    called with training=False and never drop."""
+    return [n for n, m in km.named_modules() if _under(n, roots) and isinstance(m, nn.Dropout) and m.p > 0]
+
+
+def weight_normed(km: nn.Module, roots: tuple[str, ...]) -> list[str]:
+    """The stage's weight_norm-ed modules (the old API's weight_v, or parametrizations' original1)."""
+    return [n for n, m in km.named_modules() if _under(n, roots) and _raw_direction(m) is not None]
+
+
+def _raw_direction(m: nn.Module) -> torch.Tensor | None:
+    if hasattr(m, "weight_v"):
+        return m.weight_v
+    param = getattr(getattr(m, "parametrizations", None), "weight", None)
+    return getattr(param, "original1", None)
+
+
+def unnormalize_weight_norm(km: nn.Module, original: nn.Module, roots: tuple[str, ...]) -> list[str]:
+    """The `weight_norm` defect: each of the stage's folded weight_norm convolutions in `km` takes
+    the raw direction v of `original` as its weight instead of g * v / ||v||."""
+    done = []
+    for name in weight_normed(original, roots):
+        km.get_submodule(name).weight.data.copy_(_raw_direction(original.get_submodule(name)))
+        done.append(name)
+    return done
 
 
 @dataclass(frozen=True)
@@ -258,18 +349,26 @@ DYNAMIC = {"input_ids": {1: "tokens"}, "attention_mask": {1: "tokens"}, "text_ma
            "x": {2: "stft_frames"}, "audio": {1: "samples"}}
 
 
+DEFECT_KINDS = "STAGE=gain:FACTOR, STAGE=sign, STAGE=atan2, STAGE=dropout, STAGE=weight_norm or STAGE=fp16_inputs"
+DROPOUT_SEED = 0.0  # the masks' RandomUniformLike `seed`: the same mask in every run of the stage
+
+
 @dataclass(frozen=True)
 class DefectSpec:
     stage: str
-    kind: str  # gain | atan2
+    kind: str  # gain | atan2 | dropout | weight_norm | fp16_inputs
     gain: float = 1.0
 
     def __str__(self) -> str:
-        return f"{self.stage}: the exporter's atan2" if self.kind == "atan2" else f"{self.stage} x{self.gain:g}"
+        return {"atan2": f"{self.stage}: the exporter's atan2", "dropout": f"{self.stage}: dropout active",
+                "weight_norm": f"{self.stage}: weight_norm unnormalized",
+                "fp16_inputs": f"{self.stage}: float inputs rounded to float16"}.get(self.kind,
+                                                                                   f"{self.stage} x{self.gain:g}")
 
 
 def parse_defect(text: str | None, split: str) -> DefectSpec | None:
-    """`STAGE=gain:1.1`, `STAGE=sign` or `STAGE=atan2` -> a DefectSpec; a clear error otherwise."""
+    """`STAGE=gain:1.1`, `sign`, `atan2`, `dropout`, `weight_norm` or `fp16_inputs` -> a DefectSpec;
+    a clear error otherwise, also when the kind cannot apply to that stage (no dropout there)."""
     if not text:
         return None
     stage, _, what = text.partition("=")
@@ -277,20 +376,68 @@ def parse_defect(text: str | None, split: str) -> DefectSpec | None:
     if stage not in names:
         raise ValueError(f"--defect {text!r}: no stage {stage!r} in {split}; stages: {', '.join(names)}")
     kind, _, value = what.partition(":")
+    sdef = next(s for s in SPLITS[split] if s.name == stage)
+
+    def where(has) -> str:
+        return ", ".join(s.name for s in SPLITS[split] if has(s)) or "no stage"
+
     if kind == "sign" and not value:
         return DefectSpec(stage, "gain", -1.0)
     if kind == "atan2" and not value:
-        module = next(s.module for s in SPLITS[split] if s.name == stage)
-        if module not in (Noise, Decoder):
+        if sdef.module not in (Noise, Decoder):
             raise ValueError(f"--defect {text!r}: stage {stage!r} computes no STFT (atan2 is in "
-                             f"{', '.join(s.name for s in SPLITS[split] if s.module in (Noise, Decoder))})")
+                             f"{where(lambda s: s.module in (Noise, Decoder))})")
         return DefectSpec(stage, "atan2")
+    if kind == "dropout" and not value:
+        if not active_dropouts(_empty_kmodel(), sdef.module.kokoro_modules):
+            raise ValueError(f"--defect {text!r}: stage {stage!r} has no dropout that drops anything (Kokoro's "
+                             f"nn.Dropout with p > 0 are in {where(lambda s: active_dropouts(_empty_kmodel(), s.module.kokoro_modules))})")
+        return DefectSpec(stage, "dropout")
+    if kind == "weight_norm" and not value:
+        if not weight_normed(_empty_kmodel(), sdef.module.kokoro_modules):
+            raise ValueError(f"--defect {text!r}: stage {stage!r} has no weight_norm-ed convolution (they are in "
+                             f"{where(lambda s: weight_normed(_empty_kmodel(), s.module.kokoro_modules))})")
+        return DefectSpec(stage, "weight_norm")
+    if kind == "fp16_inputs" and not value:
+        if not any(_is_float_input(n) for n in sdef.inputs):
+            raise ValueError(f"--defect {text!r}: stage {stage!r} has no float input ({', '.join(sdef.inputs)})")
+        return DefectSpec(stage, "fp16_inputs")
     if kind == "gain":
         try:
             return DefectSpec(stage, "gain", float(value))
         except ValueError:
             pass
-    raise ValueError(f"--defect {text!r}: expected STAGE=gain:FACTOR, STAGE=sign or STAGE=atan2")
+    raise ValueError(f"--defect {text!r}: expected {DEFECT_KINDS}")
+
+
+def _is_float_input(name: str) -> bool:
+    from . import tensors
+
+    t = tensors.VOCAB.get(INPUT_TENSORS.get(name, name))
+    return t is None or t.dtype.startswith("float")  # module references are float activations
+
+
+def defect_module(stage: StageDef, model, km: nn.Module, defect: DefectSpec | None) -> nn.Module:
+    """The stage's module, with `defect` when it is this stage's. `km` is the model with the export
+    patches; the dropout and weight_norm defects take their own copy of it."""
+    from ..patches import apply_patches
+
+    ours = defect is not None and defect.stage == stage.name
+    kind = defect.kind if ours else None
+    if kind == "dropout":
+        km = apply_patches(model.kmodel, tuple(p for p in EXPORT_PATCHES if p != "dropout_identity"))
+        for name in active_dropouts(km, stage.module.kokoro_modules):
+            parent, _, child = name.rpartition(".")
+            setattr(km.get_submodule(parent), child, ActiveDropout(km.get_submodule(name).p))
+    elif kind == "weight_norm":
+        km = apply_patches(model.kmodel, EXPORT_PATCHES)
+        unnormalize_weight_norm(km, model.kmodel, stage.module.kokoro_modules)
+    module = stage.module(km, raw_atan2=kind == "atan2").eval()
+    if kind == "gain":
+        module = Defect(module, defect.gain)
+    if kind == "fp16_inputs":
+        module = HalfInputs(module)
+    return module
 
 
 def stage_inputs(traces, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
@@ -309,7 +456,7 @@ def export_split(split: str, model, traces, out_dir: Path, defect: DefectSpec | 
     from ..patches import apply_patches
     from ..plumbing.files import atomic_write_text
 
-    km = apply_patches(model.kmodel, EXPORT_PATCHES)
+    km = None
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# {split}, exported from {model.name} for case {traces.case_id!r} by "
              f"examples/{split}/export.py" + (f" with the defect {defect}" if defect else ""),
@@ -319,10 +466,8 @@ def export_split(split: str, model, traces, out_dir: Path, defect: DefectSpec | 
             lines.append("  # Alignment (host glue, the harness's own): duration -> pred_dur -> aln")
         path = out_dir / f"{stage.name}.onnx"
         if only is None or stage.name in only:
-            ours = defect is not None and defect.stage == stage.name
-            module = stage.module(km, raw_atan2=ours and defect.kind == "atan2").eval()
-            if ours and defect.kind == "gain":
-                module = Defect(module, defect.gain)
+            km = km if km is not None else apply_patches(model.kmodel, EXPORT_PATCHES)
+            module = defect_module(stage, model, km, defect)
             export_stage(module, stage, stage_inputs(traces, stage.inputs), path)
         declared = _declared_inputs(path)
         if only is None or stage.name in only:
@@ -336,17 +481,34 @@ def export_split(split: str, model, traces, out_dir: Path, defect: DefectSpec | 
 
 
 def export_stage(module: nn.Module, stage: StageDef, args: tuple, path: Path) -> Path:
-    """One stage to ONNX, written atomically: the vocabulary's names, the varying axes dynamic."""
+    """One stage to ONNX, written atomically: the vocabulary's names, the varying axes dynamic. A
+    module with active dropouts (the `dropout` defect) gets its masks' random ops seeded
+    (DROPOUT_SEED) so that every run of the stage drops the same values."""
     tmp = path.parent / f".{path.name}.tmp"
+    dropping = any(isinstance(m, ActiveDropout) for m in module.modules())
     try:
         with torch.no_grad():
             torch.onnx.export(module, args, str(tmp), dynamo=False, opset_version=OPSET,
                               input_names=list(stage.inputs), output_names=list(stage.outputs),
                               dynamic_axes={n: DYNAMIC[n] for n in (*stage.inputs, *stage.outputs) if n in DYNAMIC})
+        if dropping:
+            _seed_dropouts(tmp)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _seed_dropouts(path: Path) -> None:
+    import onnx
+
+    model = onnx.load(str(path))
+    masks = [n for n in model.graph.node if n.op_type == "RandomUniformLike"]
+    if not masks:
+        raise ValueError(f"{path.name}: exported with dropout active, but the graph draws no random mask")
+    for node in masks:
+        node.attribute.append(onnx.helper.make_attribute("seed", DROPOUT_SEED))
+    onnx.save(model, str(path))
 
 
 def _declared_inputs(path: Path) -> set[str]:
@@ -364,8 +526,7 @@ def main(split: str, out: Path, argv=None) -> None:
     p.add_argument("--case", required=True)
     p.add_argument("--weights", default=None, help="default: the default model (see README)")
     p.add_argument("--out", type=Path, default=out, help=f"default: {out}")
-    p.add_argument("--defect", default=None,
-                   help="STAGE=gain:FACTOR, STAGE=sign or STAGE=atan2: export one stage with a known defect")
+    p.add_argument("--defect", default=None, help=f"{DEFECT_KINDS}: export one stage with a known defect")
     args = p.parse_args(argv)
 
     from ..reference import module_captures

@@ -105,6 +105,85 @@ def test_bad_port_files_give_one_clear_error_naming_file_stage_and_field(tmp_pat
         assert str(tmp_path / "port.yaml") in str(e.value)
 
 
+# ---- the user's host glue (`glue: package.module:function`), called with the Kokoro tensors so far
+
+def aln_by_cumsum(values):
+    """The harness's alignment rule written another way (a port's own host code): clean."""
+    pred = values["pred_dur"]
+    ends = pred.cumsum(0)
+    frame = torch.arange(int(ends[-1]))
+    return ((frame[None] < ends[:, None]) & (frame[None] >= (ends - pred)[:, None])).float()[None]
+
+
+def aln_one_frame_late(values):
+    """Another alignment rule: every token starts one frame later (a defect of the host code)."""
+    aln = values["aln"]  # the harness's own
+    return torch.cat([aln[:, :, :1], aln[:, :, :-1]], dim=2)
+
+
+def asr_doubled(values):
+    return values["asr"] * 2
+
+
+def asr_padded_16(values):
+    """A port's own bucket choice: the aligned features padded by 16 frames (zeros)."""
+    return torch.nn.functional.pad(values["asr"], (0, 16))
+
+
+NOT_CALLABLE = 3
+
+
+def test_glue_is_validated_with_one_clear_error(tmp_path):
+    transform(tmp_path / "a.onnx", "x", "y", [1, 512, "F"])
+    ok = "name: p\nstages:\n  - name: s1\n    artifact: a.onnx\n    inputs: {x: asr}\n    outputs: {y: asr}\n"
+    two = ok + "  - name: s2\n    artifact: a.onnx\n    inputs: {x: F0_pred}\n    outputs: {y: asr}\n"
+    here = "tests.unit.test_port"
+    (tmp_path / "myglue.py").write_text("def f0(values):\n    return values['F0_pred']\n")
+    assert load_port(_write(tmp_path, two.replace("stages:", "glue: {F0_pred: myglue:f0}\nstages:")))  # connects
+    assert load_port(_write(tmp_path, ok.replace("{x: asr}", f"{{x: {{tensor: asr, glue: '{here}:asr_doubled'}}}}")))
+    cases = {
+        r"field 'glue.aln': cannot import 'no_such_pkg.mod' \(ModuleNotFoundError":
+            ok.replace("stages:", "glue: {aln: no_such_pkg.mod:f}\nstages:"),
+        rf"field 'glue.aln': module '{here}' has no 'nope'": ok.replace("stages:", f"glue: {{aln: '{here}:nope'}}\nstages:"),
+        rf"field 'glue.aln': '{here}:NOT_CALLABLE' is a int, not a callable":
+            ok.replace("stages:", f"glue: {{aln: '{here}:NOT_CALLABLE'}}\nstages:"),
+        r"field 'glue': .*glue for unknown Kokoro tensor 'alnn'": ok.replace("stages:", "glue: {alnn: m:f}\nstages:"),
+        r"stage 's1', field 'inputs.x.glue': 'just a name' is not `package.module:function`":
+            ok.replace("{x: asr}", "{x: {tensor: asr, glue: just a name}}"),
+        r"stage 's1', field 'outputs.y.glue': glue computes a stage's input":
+            ok.replace("{y: asr}", f"{{y: {{tensor: asr, glue: '{here}:asr_doubled'}}}}"),
+        r"stage 's2', field 'inputs.x': 'F0_pred'.*does not connect": two,
+    }
+    for pattern, text in cases.items():
+        with pytest.raises(PortError, match=pattern) as e:
+            load_port(_write(tmp_path, text))
+        assert str(e.value).startswith(f"port {tmp_path / 'port.yaml'}"), e.value
+
+
+def test_buckets_are_validated(tmp_path):
+    for b in (5, 9):
+        transform(tmp_path / f"a_{b}.onnx", "x", "y", [1, 512, b])
+    ok = ("name: p\nstages:\n  - name: s1\n    artifact: a_{frames}.onnx\n    buckets: [5, 9]\n"
+          "    inputs: {x: asr}\n    outputs: {y: asr}\n")
+    stage = load_port(_write(tmp_path, ok)).stages[0]
+    assert (stage.bucket_unit, stage.bucket_for(6), stage.file_for(tmp_path, 9).name) == ("frames", 9, "a_9.onnx")
+    with pytest.raises(PortError, match=r"stage 's1', field 'buckets': 10 frames exceed the largest bucket 9"):
+        stage.bucket_for(10)
+    cases = {
+        r"field 'buckets': the artifact 'a_5.onnx' has no `\{frames\}`": ok.replace("a_{frames}", "a_5"),
+        r"field 'artifact': 'a_\{frames\}.onnx' names a bucket but the stage has no `buckets:`":
+            ok.replace("    buckets: [5, 9]\n", ""),
+        r"field 'buckets': .*a_7.onnx does not exist|field 'artifact': .*a_7.onnx does not exist":
+            ok.replace("[5, 9]", "[5, 7]"),
+        r"field 'buckets': no input of the stage has a frames axis": ok.replace("{x: asr}", "{x: t_en}"),
+        r"field 'buckets': input 'x' is the module reference 'decoder.generator.conv_post:out'":
+            ok.replace("{x: asr}", "{x: decoder.generator.conv_post:out}"),
+    }
+    for pattern, text in cases.items():
+        with pytest.raises(PortError, match=pattern):
+            load_port(_write(tmp_path, text))
+
+
 def test_whole_model_mapping_and_its_errors(tmp_path):
     audio = np.zeros(600, np.float32)
     port = whole_model_port(whole(tmp_path / "m.onnx", audio))
@@ -262,6 +341,90 @@ def test_a_chain_names_the_stage_with_the_defect(port_session, tmp_path, defect,
     from harness.report import item_table
 
     assert "LEAVES" in item_table(rec)
+
+
+def _head(session, tmp_path) -> str:
+    """Two stages replaying the reference's durations and text encoding: `asr = t_en @ aln` on the host."""
+    chain = session.traces("tiny").chain
+    replay(tmp_path / "dur.onnx", {"d": (F, [1, "T", 640])}, "duration", chain["duration"].numpy())
+    replay(tmp_path / "text.onnx", {"ids": (I64, [1, "T"])}, "t_en", chain["t_en"].numpy())
+    return ("  - {name: dur, artifact: dur.onnx, inputs: {d: d}, outputs: {duration: duration}}\n"
+            "  - {name: text, artifact: text.onnx, inputs: {ids: input_ids}, outputs: {t_en: t_en}}\n")
+
+
+def _glued_chain(session, tmp_path, glue_line: str, asr_input: str = "asr") -> Path:
+    """dur, text -> a (asr -> asr)."""
+    transform(tmp_path / "a.onnx", "x", "y", [1, 512, "F"], "none")
+    path = tmp_path / "port.yaml"
+    path.write_text(f"name: glued\n{glue_line}stages:\n" + _head(session, tmp_path) +
+                    f"  - {{name: a, artifact: a.onnx, inputs: {{x: {asr_input}}}, outputs: {{y: asr}}}}\n")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("glue,asr_input,named", [
+    ("glue: {aln: 'tests.unit.test_port:aln_by_cumsum'}\n", "asr", None),
+    ("glue: {aln: 'tests.unit.test_port:aln_one_frame_late'}\n", "asr", "glue:aln"),
+    ("", "{tensor: asr, glue: 'tests.unit.test_port:asr_doubled'}", "glue:asr"),
+])
+def test_a_users_host_glue_is_run_and_judged_like_a_stage(port_session, tmp_path, glue, asr_input, named):
+    """The user's callable computes the chained input (the port-level `aln` feeds the harness's
+    `asr = t_en @ aln`; the input-level one replaces `asr`), and is judged as a row `glue:<tensor>`:
+    clean, the chain passes; another rule, the glue is named and the stage after it reads as
+    accumulated error."""
+    from harness.verdict import Verdict
+
+    _, rec = _run(port_session, str(_glued_chain(port_session, tmp_path, glue, asr_input)))
+    rows = {r["stage"]: r for r in rec.stages}
+    glue_row = "glue:aln" if "aln" in glue else "glue:asr"
+    assert list(rows) == ["dur", "text", glue_row, "a"], rec.reason
+    assert rows["a"]["local_ok"], rec.reason
+    if named is None:
+        assert rec.verdict is Verdict.PASS and all(r["local_ok"] and r["chained_ok"] for r in rows.values()), rec.reason
+        return
+    assert rec.verdict is Verdict.FAIL and not rows[named]["local_ok"] and not rows["a"]["chained_ok"]
+    assert f"first stage whose local error leaves its floor: {named!r}" in rec.reason, rec.reason
+
+
+def _identity(path: Path, shapes: dict[str, list], renames: dict[str, str]) -> Path:
+    nodes = [helper.make_node("Identity", [i], [o]) for i, o in renames.items()]
+    return _save(path, nodes, [helper.make_tensor_value_info(i, F, shapes[i]) for i in renames],
+                 [helper.make_tensor_value_info(o, F, shapes[i]) for i, o in renames.items()])
+
+
+@pytest.mark.slow
+def test_a_bucketed_stage_is_fed_padded_inputs_and_trimmed(port_session, tmp_path):
+    """A stage compiled per frame bucket (fixed shapes: an unpadded input would not run): its
+    inputs padded to the bucket that fits (zeros; the noise the bucket's own prefix of the case's
+    draw), its outputs trimmed back to the valid frames and judged clean; a user's glue that pads
+    `asr` by 16 frames chooses the larger bucket; a case longer than every bucket is one error."""
+    from harness.verdict import Verdict
+
+    frames = port_session.traces("tiny").valid.frames
+    small, large = frames + 7, frames + 20
+    for b in (small, large):
+        _identity(tmp_path / f"a_{b}.onnx", {"x": [1, 512, b], "n": [1, b * 600, 9]}, {"x": "y", "n": "z"})
+    stage = ("  - name: a\n    artifact: a_{frames}.onnx\n    buckets: [%d, %d]\n    noise: inputs\n"
+             "    inputs: {x: asr, n: sine_noise}\n    outputs: {y: asr, z: sine_noise}\n")
+    head = _head(port_session, tmp_path)
+    (tmp_path / "port.yaml").write_text("name: bucketed\nstages:\n" + head + stage % (small, large))
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    rows = {r["stage"]: r for r in rec.stages}
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rows["a"]["bucket"] == {"local": small, "chained": small}
+    assert rows["a"]["outputs"]["sine_noise"]["chained"]["rel_l2"] == 0
+
+    (tmp_path / "port.yaml").write_text("name: bucketed\nglue: {asr: 'tests.unit.test_port:asr_padded_16'}\n"
+                                        "stages:\n" + head + stage % (small, large))
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    rows = {r["stage"]: r for r in rec.stages}
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rows["a"]["bucket"] == {"local": small, "chained": large} and rows["glue:asr"]["local_ok"]
+
+    _identity(tmp_path / "a_4.onnx", {"x": [1, 512, 4], "n": [1, 2400, 9]}, {"x": "y", "n": "z"})
+    (tmp_path / "port.yaml").write_text("name: bucketed\nstages:\n" + head + (stage % (4, 4)).replace("[4, 4]", "[4]"))
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    assert rec.verdict is Verdict.RUN_ERROR and f"{frames} frames exceed the largest bucket 4" in rec.reason, rec.reason
 
 
 @pytest.mark.slow
