@@ -191,7 +191,10 @@ class Mixed:
         found = set()
         for path, sub in self.module.named_modules():
             p = _strip(path)
-            if p in self.keep:
+            # every module inside a kept one is an island too: step code may call a child directly
+            # (F0NStep runs predictor.shared and predictor.F0 without predictor.forward), and the
+            # backends tag a node by its module path, so a kept parent keeps its children's nodes
+            if under(p, self.keep) and _kmodel_path(self.module, path):
                 found.add(p)
                 _restore_float32(sub, originals[path])
                 self._wrap(sub)

@@ -430,3 +430,26 @@ def test_e2e_targets_are_the_two_stages_judged_as_the_e2e_item_does(random_model
         p.numel() for p in random_model.kmodel.parameters())  # the duration stage's own, not the KModel's
     with pytest.raises(ValueError, match="dynamic mode only"):
         targets_for(random_model, ["tiny"], "e2e", mode="static")
+
+
+def test_a_kept_module_keeps_the_children_that_step_code_calls_directly():
+    """F0NStep calls predictor.shared and predictor.F0 without predictor.forward: keeping `predictor`
+    must keep them (the backends tag nodes by module path, so their kept parent keeps them there)."""
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.phase = Phase()
+
+    class Caller(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parent = Parent()
+
+        def forward(self, f):
+            return self.parent.phase(f)  # not through Parent.forward
+
+    f = torch.full((1, 4000), 21.0)  # the running sum reaches 84,000: past float16's 65,504
+    assert not torch.isfinite(Mixed(Caller(), [], emulate=True)(f)).all()
+    kept = Mixed(Caller(), ["parent"], emulate=True)(f)
+    assert torch.isfinite(kept).all() and torch.allclose(kept, Caller()(f), atol=1e-3)
