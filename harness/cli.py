@@ -18,6 +18,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-dir", default="reports", type=Path)
     p.add_argument("--profile", help="tolerance profile YAML")
     p.add_argument("--with-patch", action="append", default=[], help="add a patch to every backend's own")
+    p.add_argument("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
+                   help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s), as pytest's")
     p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",
                    help="run the backends without this named workaround (repeatable, or `all`; see `backends`)")
     p.add_argument("--target", default="local", metavar="NAME",
@@ -32,9 +34,11 @@ def cmd_run(args) -> int:
     from .runner import Session
     from .verdict import Profile
 
+    from .runner import Limits
+
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file)
+                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit))
     session.target_for(args.target)  # an unknown target or a malformed targets file: an error before any work
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)

@@ -774,10 +774,11 @@ def share_of(targets: Target | list[Target], keep: list[str]) -> dict[str, Any]:
                 params.update((_strip(f"{path}.{n}"), q.numel()) for n, q in sub.named_parameters(recurse=False))
         counts = counter.get_flop_counts()
         total += sum(counts.get("Global", {}).values())
-        for name, ops in counts.items():
-            path = name.split(".", 1)[1] if "." in name else ""
-            if _strip(path) in keep:
-                kept += sum(ops.values())
+        # the outermost counted module inside the keep-list: a kept parent whose forward step code
+        # skips (F0NStep calls predictor.shared) has no count of its own, its children do
+        paths = {_strip(name.split(".", 1)[1]): sum(ops.values()) for name, ops in counts.items() if "." in name}
+        kept += sum(n for p, n in paths.items() if under(p, keep) and not any(
+            q != p and p.startswith(q + ".") and under(q, keep) for q in paths))
     total_p = sum(params.values())
     kept_p = sum(n for p, n in params.items() if under(p.rsplit(".", 1)[0], keep))
     return {"params": kept_p, "params_total": total_p, "params_share": kept_p / total_p if total_p else 0.0,
