@@ -8,6 +8,14 @@ from tabulate import tabulate
 from .metrics import fmt as _fmt
 from .record import Record
 
+def _number(value) -> float | None:
+    """A record's figure as a float (JSON keeps NaN as the string 'nan'), else None."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 ITEM_TABLE_COLUMNS = (  # the metric columns of an item's table
     "nan_rate", "max_abs", "rel_l2", "floor_rel_l2", "floor_ratio", "cosine", "snr_db")
 
@@ -145,7 +153,11 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
             cell += f" NaN {nan_rate:.0%}"
         elif worst is not None and r.verdict.value in ("pass", "fail"):
             fp16 = " fp16" if getattr(r, "precision", "float32") == "float16" else ""  # harness.precision
-            cell += f" rel {_fmt(worst.get('rel_l2'))} ({_fmt(worst.get('floor_ratio'))}x{fp16} floor)"
+            ratio = worst.get("floor_ratio")
+            # float16 eager non-finite (en_long's SineGen): there is no floor to be a multiple of
+            nonfinite = _number(ratio) is not None and not math.isfinite(_number(ratio))
+            floor = f"{fp16.strip() or 'fp32'} floor non-finite" if nonfinite else f"{_fmt(ratio)}x{fp16} floor"
+            cell += f" rel {_fmt(worst.get('rel_l2'))} ({floor})"
         audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
         if audio is not None and r.verdict.value in ("pass", "fail") and not nan_rate:
             cell += f" PESQ {_fmt(audio.get('pesq'))}"
