@@ -396,27 +396,33 @@ def reference_captures(model, traces, zero_noise: bool) -> dict:
     return out
 
 
+def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path):
+    """The ONNX side of a localization in a child process (a crashing onnxruntime stays there): the
+    reference written beside it, then (job result, the job's stage rows or None)."""
+    from ..plumbing.files import atomic_write
+    from ..plumbing.jobs import run_job
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "reference.pt", lambda f: torch.save(ref, f))
+    result = run_job(job, dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"),
+                               out_dir=str(run_dir)), run_dir / "job", session.limits.run_s * 2)
+    return result, (torch.load(run_dir / "stages.pt", weights_only=False) if result.ok else None)
+
+
 def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log=print) -> dict:
     """Run the localization of one whole-model ONNX on one case; fills `rec.bisect`."""
     import onnx
 
-    from ..plumbing.files import atomic_write
-    from ..plumbing.jobs import run_job
     from ..verdict import comparator
 
     traces = session.traces(case_id)
     noisy = draws_noise(onnx.load(str(artifact), load_external_data=False))
     ref = reference_captures(session.model, traces, zero_noise=not noisy)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "reference.pt", lambda f: torch.save(ref, f))
     log(f"localizing inside {artifact.name}: marking module outputs, extracting each stage ...")
-    result = run_job("harness.port.onnx_stages:localize_job",
-                     dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"), out_dir=str(run_dir)),
-                     run_dir / "job", session.limits.run_s * 2)
+    result, rows = run_localize_job(session, "harness.port.onnx_stages:localize_job", artifact, ref, run_dir)
     if not result.ok:
         rec.bisect = {"error": f"localization failed: {result.error}"}
         return rec.bisect
-    rows = torch.load(run_dir / "stages.pt", weights_only=False)
     check = comparator(tol)
     table, first = [], None
     for path, row in rows.items():

@@ -244,11 +244,9 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     the item's semantics-changing patches (a port's own STFT), carried by the module references."""
     import dataclasses
 
-    from ..plumbing.files import atomic_write
-    from ..plumbing.jobs import run_job
     from ..reference import module_captures
     from ..verdict import comparator
-    from .onnx_stages import judge_row, stage_lines, write_repro
+    from .onnx_stages import judge_row, run_localize_job, stage_lines, write_repro
 
     traces = session.traces(case_id)
     ran = step_modules(session.model, step, traces, variant)
@@ -273,19 +271,14 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
            # that stage is judged against float32 with the tolerance alone (a zero floor)
            "fp64": {p: caps.get((f"{p}:out", "float64"), caps[(f"{p}:out", "float32")].double()) for p in stages},
            "fp32_in": {p: [caps[(f"{p}:in", "float32")]] for p in stages if p in ran["tensor_in"]}}
-    run_dir.mkdir(parents=True, exist_ok=True)
     job_ref = {k: ref[k] for k in ("feed", "fp32", "fp32_in")}
     job_ref.update(paths=ran["paths"], roots=step_roots(ran["order"]), stages=[(p, ran["types"][p]) for p in stages])
-    atomic_write(run_dir / "reference.pt", lambda f: torch.save(job_ref, f))
     log(f"localizing inside {artifact.name} ({len(stages)} modules of step {step}): marking, extracting each ...")
-    result = run_job("harness.port.onnx_steps:localize_step_job",
-                     dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"), out_dir=str(run_dir)),
-                     run_dir / "job", session.limits.run_s * 2)
+    result, rows = run_localize_job(session, "harness.port.onnx_steps:localize_step_job", artifact, job_ref, run_dir)
     if not result.ok:
         rec.bisect = {"error": f"localization failed: {result.error}"}
         log(rec.bisect["error"])
         return rec.bisect
-    rows = torch.load(run_dir / "stages.pt", weights_only=False)
     check = comparator(tol)
     table, first = [], None
     for path in ran["order"]:

@@ -1,6 +1,8 @@
 """Shared fixtures for the unit tests: a seeded random Kokoro (fast) and small decoder inputs."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -32,3 +34,19 @@ def child_pytest_env(**extra: str) -> dict:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
     return {**env, **extra}
+
+
+@contextlib.contextmanager
+def tiny_session_at(root, **limits):
+    """A Session on the seeded random model and the short `tiny` case (speed 4: few frames), with
+    its own case directory and cache under `root`: what the end-to-end tests of several files run."""
+    from harness.cases import load_cases, write_case
+    from harness.plumbing.cache import CACHE_ENV
+    from harness.runner import Limits, Session
+
+    write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root / "cache"))
+        s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(**limits))
+        s._cases = {c.id: c for c in load_cases(root / "cases")}
+        yield s

@@ -491,16 +491,9 @@ def test_user_artifacts_are_described_and_run(user_artifacts, small_program, nam
 def tiny_session(tmp_path_factory, example_backends):
     """A Session on the seeded random model and a short case (speed 4, so few frames), with its
     own cache: items run end to end (export, compile, run, verdict) in child processes."""
-    from harness.plumbing.cache import CACHE_ENV
-    from harness.cases import load_cases, write_case
-    from harness.runner import Limits, Session
+    from tests.unit.conftest import tiny_session_at
 
-    root = tmp_path_factory.mktemp("tiny")
-    write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(root / "cache"))
-        s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(compile_s=600))
-        s._cases = {c.id: c for c in load_cases(root / "cases")}
+    with tiny_session_at(tmp_path_factory.mktemp("tiny"), compile_s=600) as s:
         yield s
 
 

@@ -107,16 +107,9 @@ def test_an_unknown_module_path_is_one_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from harness.cases import load_cases, write_case
-    from harness.plumbing.cache import CACHE_ENV
-    from harness.runner import Limits, Session
+    from tests.unit.conftest import tiny_session_at
 
-    root = tmp_path_factory.mktemp("examples")
-    write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(root / "cache"))
-        s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(run_s=300))
-        s._cases = {c.id: c for c in load_cases(root / "cases")}
+    with tiny_session_at(tmp_path_factory.mktemp("examples"), run_s=300) as s:
         yield s
 
 

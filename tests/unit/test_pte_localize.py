@@ -78,16 +78,9 @@ def test_the_etrecord_is_found_by_step_by_bare_path_or_beside_the_artifact(tmp_p
 
 @pytest.fixture(scope="module")
 def tiny_session(tmp_path_factory):
-    from harness.cases import load_cases, write_case
-    from harness.plumbing.cache import CACHE_ENV
-    from harness.runner import Limits, Session
+    from tests.unit.conftest import tiny_session_at
 
-    root = tmp_path_factory.mktemp("tiny-pte")
-    write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(root / "cache"))
-        s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(compile_s=600))
-        s._cases = {c.id: c for c in load_cases(root / "cases")}
+    with tiny_session_at(tmp_path_factory.mktemp("tiny-pte"), compile_s=600) as s:
         yield s
 
 
