@@ -628,7 +628,11 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
     """The smallest set of modules to keep in float32 so that every target is shippable: the audit
     ranks the candidates (module alone in float16, local error), a greedy pass adds the candidate of
     most measured benefit (the one that lowers the worst case's distance to the bars most; top_k
-    tried per round), then a pruning pass drops every module the set no longer needs."""
+    tried per round), then a pruning pass drops every module the set no longer needs.
+
+    Longer than 80 lines on purpose: audit, greedy rounds and pruning share `keep`, `current` and
+    the per-step rankings, and read as one algorithm top to bottom; split, they would pass all
+    of that state back and forth."""
     start = time.perf_counter()
     step = targets[0].step
 
