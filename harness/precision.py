@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -578,8 +578,8 @@ def evaluate(target: Target, keep: Iterable[str], tol, emulate: bool = True) -> 
                 + max(0.0, abs(a["rms_ratio_db"]) - tol.max_level_db))
     for o, r in durations.values():
         o = o.double()
-        if not torch.isfinite(o).all():
-            bad += 100.0
+        if not torch.isfinite(o).all():  # worse than every duration rounding differently
+            bad += 100.0 + o.numel()
             continue
         rr = lambda x: torch.round(x).clamp(min=1)  # noqa: E731
         bad += float((rr(o) != rr(r.double())).sum())
@@ -600,6 +600,63 @@ def candidates(audit: list[dict], root: str) -> list[str]:
         if not explained:
             out.append(r["module"])
     return out
+
+
+def block_of(path: str) -> str:
+    """The block a module belongs to: the innermost ancestor that is an element of a ModuleList or
+    Sequential (`predictor.F0.1.conv1` -> `predictor.F0.1`), else the module itself. A chain kept
+    per block reads as a porter's sentence ("the F0 blocks in float32") and skips no inner layer."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    return path
+
+
+def upstream(keep: Iterable[str], audit: list[dict], root: str) -> list[str]:
+    """Everything the kept modules read, transitively (the audit's `producers`), lifted to blocks:
+    a float32 island fed by a float16 chain gets its input rounded at every link (SineGen integrates
+    an F0 that `predictor.shared` -> `F0` -> `F0_proj` -> `f0_upsamp` computes), and keeping one link
+    alone changes nothing, so the greedy pass needs the whole chain as one candidate."""
+    by_module = {r["module"]: r for r in audit}
+    keep = list(keep)
+    seen: set[str] = set()
+    todo = [p for k in keep for p in by_module.get(k, {}).get("producers", [])]
+    while todo:
+        p = todo.pop()
+        if p in seen or p == root or under(p, keep) or p not in by_module:
+            continue
+        seen.add(p)
+        todo += by_module[p].get("producers", [])
+    return _normalize(block_of(p) for p in seen if not any(k.startswith(p + ".") for k in keep))
+
+
+def _children(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Module path -> its children's paths (KModel paths, as keep-lists name them)."""
+    out: dict[str, list[str]] = {}
+    for path, sub in module.named_modules():
+        p = _strip(path)
+        out[p] = [f"{p}.{n}" if p else n for n, _ in sub.named_children()]
+    return out
+
+
+def enclosing(keep: Iterable[str], children: Mapping[str, list[str]], root: str) -> list[str]:
+    """Parents of two or more kept modules that still run code of their own in float16: the ops of
+    a parent's `forward` between its kept children (the Generator's sums, activations and the
+    exp/sin before the iSTFT) are on the signal's main path, and no child kept alone covers them.
+    Innermost first; a parent whose every child is already kept adds nothing and is left out."""
+    keep = list(keep)
+    out = []
+    for k in keep:
+        parts = k.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            p = ".".join(parts[:i])
+            if p == root or under(p, keep) or p in out:
+                continue
+            if sum(1 for o in keep if o.startswith(p + ".")) >= 2 and not all(
+                    under(c, keep) for c in children.get(p, [])):
+                out.append(p)
+    return sorted(out, key=lambda p: -p.count("."))
 
 
 def _normalize(keep: Iterable[str]) -> list[str]:
@@ -623,12 +680,14 @@ class SearchResult:
     emulate: bool = True
 
 
-def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size: int = 8, emulate: bool = True,
+def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_rounds: int = 8, emulate: bool = True,
            log: Callable[[str], None] = lambda s: None) -> SearchResult:
     """The smallest set of modules to keep in float32 so that every target is shippable: the audit
     ranks the candidates (module alone in float16, local error), a greedy pass adds the candidate of
     most measured benefit (the one that lowers the worst case's distance to the bars most; top_k
-    tried per round), then a pruning pass drops every module the set no longer needs.
+    single modules tried per round, plus the kept modules' whole upstream chain as one candidate and
+    the innermost parent of kept modules that runs code of its own), then a pruning pass drops every
+    module the set no longer needs.
 
     Longer than 80 lines on purpose: audit, greedy rounds and pruning share `keep`, `current` and
     the per-step rankings, and read as one algorithm top to bottom; split, they would pass all
@@ -659,11 +718,12 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
         ranked[small.step.name] = candidates(audits[small.step.name], small.step.module_path)
         log("  candidates: " + ", ".join(ranked[small.step.name][:top_k * 3]))
     audit = sorted((r for rows in audits.values() for r in rows), key=_audit_order)
+    tree = {t.step.name: _children(t.module) for t in smallest}
     root = step.module_path
     keep: list[str] = []
     rounds = []
     stuck: set[int] = set()  # cases no candidate of their step helps: the search goes on with the others
-    while not all(e.shippable for e in current) and len(keep) < max_size:
+    while not all(e.shippable for e in current) and sum(1 for r in rounds if r.get("kept")) < max_rounds:
         open_cases = [i for i in range(len(targets)) if not current[i].shippable and i not in stuck]
         if not open_cases:
             break
@@ -675,30 +735,39 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_size:
         feeding = [p for k in keep for p in by_module.get(k, {}).get("producers", [])
                    if not under(p, keep) and not any(k.startswith(p + ".") for k in keep) and p != root
                    and p in by_module]
-        options = list(dict.fromkeys([*feeding, *(c for c in ranked[targets[worst].step.name]
+        singles = list(dict.fromkeys([*feeding, *(c for c in ranked[targets[worst].step.name]
                                                   if not under(c, keep))]))[:top_k]
+        # an option is a set of modules: one module, or the kept modules' whole upstream chain
+        options = [(c,) for c in singles]
+        chain = tuple(upstream(keep, in_step, root))
+        if len(chain) > 1 and chain not in options:
+            options.append(chain)
+        options += [(p,) for p in enclosing(keep, tree[targets[worst].step.name], root) if (p,) not in options][:1]
         if not options:
             log(f"  no candidate left for {targets[worst].case}")
             stuck.add(worst)
             continue
+        label = lambda o: o[0] if len(o) == 1 else "upstream chain [" + ", ".join(o) + "]"  # noqa: E731
         log(f"round {len(rounds) + 1}: on {targets[worst].case} (distance {current[worst].badness:.3f}), trying "
-            + ", ".join(options))
+            + "; ".join(label(o) for o in options))
         tried = {}
-        for c in options:
-            e = evaluate(targets[worst], _normalize([*keep, c]), tol, emulate)
-            tried[c] = e
-            log(f"  + {c}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
+        for o in options:
+            e = evaluate(targets[worst], _normalize([*keep, *o]), tol, emulate)
+            tried[o] = e
+            log(f"  + {label(o)}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
             if e.badness == 0:  # shippable on this case: no other option can do better
                 break
-        best = min(tried, key=lambda c: tried[c].badness)
-        rounds.append({"case": targets[worst].case, "tried": {c: e.badness for c, e in tried.items()}, "chosen": best})
+        best = min(tried, key=lambda o: (tried[o].badness, len(o)))
+        rounds.append({"case": targets[worst].case, "tried": {",".join(o): e.badness for o, e in tried.items()},
+                       "chosen": ",".join(best)})
         if tried[best].badness >= current[worst].badness - 1e-6:
             log(f"  no candidate lowers {targets[worst].case}'s distance: on with the other cases")
             stuck.add(worst)
             continue
-        keep = _normalize([*keep, best])
-        ranked = {name: [c for c in rows if c != best] for name, rows in ranked.items()}
-        log(f"  keep {best}")
+        keep = _normalize([*keep, *best])
+        rounds[-1]["kept"] = True
+        ranked = {name: [c for c in rows if not under(c, keep)] for name, rows in ranked.items()}
+        log(f"  keep {label(best)}")
         current = run_all(keep)
     if all(e.shippable for e in current) and len(keep) > 1:
         log("pruning:")

@@ -457,3 +457,68 @@ def test_a_kept_module_keeps_the_children_that_step_code_calls_directly():
     assert not torch.isfinite(Mixed(Caller(), [], emulate=True)(f)).all()
     kept = Mixed(Caller(), ["parent"], emulate=True)(f)
     assert torch.isfinite(kept).all() and torch.allclose(kept, Caller()(f), atol=1e-3)
+
+
+class Scale(nn.Module):
+    """x * 2: exact in float16 on a float16 input, so keeping it alone changes nothing."""
+
+    def forward(self, x):
+        return 2.0 * x
+
+
+class ChainToy(nn.Module):
+    """SineGen's F0 chain in miniature: b -> a -> phase. The phase integrates a(b(x)); float16
+    rounds x at the first float16 module it enters, and keeping `a` or `b` alone leaves that rounding
+    where it was: only the whole chain, kept with the phase, is exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.b, self.a = Scale(), Scale()
+        self.phase = nn.Identity()
+
+    def forward(self, x):
+        return self.phase(self.a(self.b(x)))
+
+
+class Integrate(nn.Module):
+    """Durations 4..8 from a running sum that passes 65,504 (overflows float16); on multiples of
+    1/128 the sum and its remainder are exact in float32, so float32 matches float64 exactly."""
+
+    def forward(self, f):
+        return 4.0 + torch.remainder(torch.cumsum(f, dim=-1), 4.0)
+
+
+def test_search_keeps_a_whole_upstream_chain_that_no_single_module_fixes():
+    from harness.precision import block_of, upstream
+
+    model = ChainToy().eval()
+    model.phase = Integrate()
+    x = (5.0 + (torch.arange(4000) % 512) / 512).reshape(1, 4000)  # odd 512ths: not float16-representable
+    with torch.no_grad():
+        fp64 = {"duration": model.double()(x.double()).detach()}
+    model.float()
+    target = Target("chain", Step("chain", lambda km: km, (Tensor("x"),), (Tensor("duration", {1: "tokens"}),),
+                                  "duration"), model, [x], fp64, lambda name, t: t)
+    tol = Tolerance()
+    assert not evaluate(target, ["phase"], tol).shippable
+    assert evaluate(target, ["phase", "a"], tol).badness == evaluate(target, ["phase", "b"], tol).badness > 0
+    rows = module_audit(model, [x], depth=2)
+    assert upstream(["phase"], rows, "") == ["a", "b"]
+    assert block_of("predictor.F0.1.conv1") == "predictor.F0.1" and block_of("predictor.shared") == "predictor.shared"
+    result = search([target], tol, depth=2, top_k=3)
+    assert result.reached and result.keep == ["a", "b", "phase"]
+    assert any(r["chosen"] == "a,b" for r in result.rounds)
+
+
+def test_enclosing_names_the_parent_whose_own_code_runs_between_kept_children():
+    from harness.precision import enclosing
+
+    children = {"decoder.generator": ["decoder.generator.m_source", "decoder.generator.stft",
+                                      "decoder.generator.resblocks"],
+                "decoder.generator.stft": ["decoder.generator.stft.analysis", "decoder.generator.stft.synthesis"],
+                "decoder": ["decoder.generator", "decoder.encode"]}
+    keep = ["predictor", "decoder.generator.m_source", "decoder.generator.stft.analysis",
+            "decoder.generator.stft.synthesis"]
+    # stft's children are all kept (nothing of its own left); predictor and the generator share only the root
+    assert enclosing(keep, children, "") == ["decoder.generator", "decoder"]  # innermost first
+    assert enclosing(["decoder.generator.m_source"], children, "") == []
