@@ -39,10 +39,12 @@ upstream: install
 dashboard: install
 	$(BIN)/kokoro-parity dashboard $(ARGS)
 
-# Benchmarks print figures (cold vs warm, harness vs bare script, per item); tests never time anything.
+# Benchmarks print figures (cold vs warm, harness vs bare script, per item; a port chain against its
+# artifacts run alone); tests never time anything.
 bench: install
 	$(BIN)/python benchmarks/bench.py $(ARGS)
 	$(BIN)/python benchmarks/target_overhead.py
+	$(BIN)/python benchmarks/chain_overhead.py
 	$(MAKE) bench-bisect
 
 # Bisection through each compiling backend: one seeded decoder fault each (en_short, dynamic), with

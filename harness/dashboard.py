@@ -59,7 +59,8 @@ METRIC_ROWS = ("rel_l2", "floor_rel_l2", "floor_ratio", "max_abs", "floor_max_ab
                "nan_rate", "inf_rate", "new_nonfinite", "ref_peak")
 KNOWN_FIELDS = {"case", "step", "backend", "mode", "verdict", "reason", "metrics", "rewrite_drift", "patch_drift",
                 "patches", "semantic_patches", "audit", "timings", "cache", "peak_rss_mb", "artifact_bytes", "model",
-                "versions", "log", "audio", "schema", "bisect", "repro_dir", "audio_metrics", "durations", "real_time"}
+                "versions", "log", "audio", "schema", "bisect", "repro_dir", "audio_metrics", "durations", "real_time",
+                "stages"}
 AUDIO_ROWS = (("pesq", "PESQ (1–4.64)"), ("mcd_db", "MCD (dB)"), ("logmel_corr", "log-mel correlation"),
               ("logmel_mad_db", "log-mel MAD (dB)"), ("mrstft", "multi-resolution STFT distance"),
               ("rms_ratio_db", "RMS ratio (dB)"), ("snr_db", "SNR (dB)"), ("length_ratio", "length ratio"),
@@ -131,6 +132,53 @@ def combine(rec: dict[str, Any], key: str, how) -> float | None:
     values = [as_float(m.get(key)) for m in (rec.get("metrics") or {}).values() if key in m]
     values = [v for v in values if math.isfinite(v)]
     return how(values) if values else None
+
+
+def stage_table(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """A port item's stages (harness/port/chain.py writes `stages`) as the item page's table: one
+    row per stage output, local error against its floor, chained error, the kind of difference,
+    and the first stage whose local error leaves its floor (a defect of its own; the stages after
+    it carry accumulated error). Read defensively: a row or field the chain did not write is shown
+    as missing, never an error of the page."""
+    stages = rec.get("stages")
+    if not isinstance(stages, list) or not stages:
+        return None
+    rows, first = [], None
+    for i, stage in enumerate(s for s in stages if isinstance(s, dict)):
+        outputs = stage.get("outputs") if isinstance(stage.get("outputs"), dict) else {}
+        local_ok = stage.get("local_ok")
+        if local_ok is None:  # older rows: derive it from the outputs
+            local_ok = all((o.get("local") or {}).get("ok", True) for o in outputs.values() if isinstance(o, dict))
+        if not local_ok and first is None:
+            first = i
+        bucket = stage.get("bucket")
+        if isinstance(bucket, dict):
+            sizes = {str(v) for v in bucket.values()}
+            bucket = next(iter(sizes)) if len(sizes) == 1 else ", ".join(f"{k} {v}" for k, v in bucket.items())
+        tensors = []
+        for tensor, o in outputs.items():
+            o = o if isinstance(o, dict) else {}
+            local, chained = (o.get(k) if isinstance(o.get(k), dict) else {} for k in ("local", "chained"))
+            tensors.append({"tensor": tensor, "local": local, "chained": chained,
+                            "local_ok": local.get("ok", True) if local else None,
+                            "chained_ok": chained.get("ok", True) if chained else None,
+                            "kind": _kind(local) or _kind(chained),
+                            "chained_kind": _kind(chained) if _kind(chained) != _kind(local) else ""})
+        rows.append({"index": i, "stage": str(stage.get("stage", f"#{i}")), "artifact": stage.get("artifact") or "",
+                     "precision": stage.get("precision") or "", "bucket": bucket, "local_ok": bool(local_ok),
+                     "chained_ok": stage.get("chained_ok", all(t["chained_ok"] is not False for t in tensors)),
+                     "tensors": tensors or [{"tensor": "–", "local": {}, "chained": {}, "local_ok": None,
+                                             "chained_ok": None, "kind": "no outputs recorded", "chained_kind": ""}]})
+    for r in rows:
+        r["first_leaving"] = r["index"] == first
+    return {"rows": rows, "first": rows[first]["stage"] if first is not None else None,
+            "buckets": any(r["bucket"] is not None for r in rows)}
+
+
+def _kind(m: dict[str, Any]) -> str:
+    """The kind of difference of one judged tensor; for durations, how many differ."""
+    kind = str(m.get("kind") or "")
+    return str(m.get("why") or kind) if kind == "durations" else kind
 
 
 # ----------------------------------------------------------------------------- the model of the site
@@ -594,7 +642,7 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
             render("item.html", items_dir / f"{iid}.html", "../", page="item", rec=rec, iid=iid,
                    regressions=[g for g in latest_regs if g.item == iid],
                    budget=budget_figure(rec, _thresholds(rec, latest), "budget"),
-                   band=band_figure(rec, _band_margin(rec), "band"),
+                   band=band_figure(rec, _band_margin(rec), "band"), stages=stage_table(rec),
                    thresholds=_thresholds(rec, latest),
                    trend=trend_figure(runs, rec["step"], rec["backend"], regs_by_run, "item-trend-plot", only_item=iid,
                                       height=300) if len(runs) > 1 else None,

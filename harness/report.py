@@ -87,11 +87,15 @@ def port_lines(rec: Record) -> list[str]:
     lines = []
     if rec.stages:
         rows = []
+        first = next((r.get("stage") for r in rec.stages if not r.get("local_ok", True)), None)
         for row in rec.stages:
+            bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
+            stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
             for tensor, m in row["outputs"].items():
                 loc, ch = m["local"], m["chained"]
-                rows.append([row["stage"], tensor, _fmt(loc.get("rel_l2")), _fmt(loc.get("floor_rel_l2")),
-                             "ok" if loc.get("ok", True) else "LEAVES", _fmt(ch.get("rel_l2")),
+                leaves = "LEAVES (first)" if row["stage"] == first else "LEAVES"
+                rows.append([stage, tensor, _fmt(loc.get("rel_l2")), _fmt(loc.get("floor_rel_l2")),
+                             "ok" if loc.get("ok", True) else leaves, _fmt(ch.get("rel_l2")),
                              "ok" if ch.get("ok", True) else "FAIL", ch.get("kind", "")])
         lines.append(tabulate(rows, headers=["stage", "tensor", "local rel_l2", "floor", "local", "chained rel_l2",
                                              "chained", "kind of difference"], tablefmt="simple"))
