@@ -47,7 +47,7 @@ def rounded_float32(target, cause: str):
 
     import torch
 
-    from harness.precision import _strip, under
+    from harness.precision.float16 import _strip, under
     from harness.reference import as_outputs
 
     kind, _, what = cause.partition(":")
@@ -95,7 +95,7 @@ def main() -> int:
 
     from harness.metrics import fmt
     from harness.model import load_model
-    from harness.precision import evaluate, share_of, targets_for
+    from harness.precision.search import evaluate, share_of, targets_for
     from harness.verdict import Profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -336,7 +336,8 @@ def cmd_precision(args) -> int:
 
     from .metrics import fmt
     from .model import load_model
-    from .precision import patches_for, search, targets_for, verify, write_keep_list
+    from .precision.islands import patches_for
+    from .precision.search import search, targets_for, verify, write_keep_list
     from .verdict import Profile
 
     model = load_model(args.weights)
@@ -345,7 +346,8 @@ def cmd_precision(args) -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
     keep = [m for k in args.keep or () for m in k.split(",") if m]
     result = (verify(targets, keep, tol, emulate=not args.native, log=log) if keep else
-              search(targets, tol, depth=args.depth, top_k=args.top_k, emulate=not args.native, log=log))
+              search(targets, tol, depth=args.depth, top_k=args.top_k, emulate=not args.native, log=log,
+                     start=[m for k in args.start or () for m in k.split(",") if m]))
     rows = []
     for b, a in zip(result.before, result.after):
         for name, m in a.metrics.items():
@@ -506,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
                                                       "item's duration stage and synthesizer; default: decoder)")
     p.add_argument("--keep", action="append", metavar="MODULE[,MODULE]",
                    help="no search: judge this float32 set (KModel module paths; repeatable) on the cases")
+    p.add_argument("--from", dest="start", action="append", metavar="MODULE[,MODULE]",
+                   help="search on from this float32 set (the one your port ships) instead of from nothing")
     p.add_argument("--mode", choices=("dynamic", "static"), default="dynamic")
     p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
     p.add_argument("--profile", help="tolerance profile YAML (min_pesq, max_mcd_db, max_level_db)")

@@ -399,7 +399,7 @@ def float16_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
     hard-coded in the code included, as the fp16 backend runs a program) on the mode's float32
     inputs, with the reference's patches and `variant`: their error against float64 is the float16
     floor. Computed once per (case, step, mode, variant) and cached."""
-    from .precision import FLOOR_VERSION, float16_outputs as run16
+    from .precision.float16 import FLOOR_VERSION, Mixed
 
     key = content_key("float16", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, torch.__version__, step,
                       mode, variant, graph_code_digest(tuple(variant)) if variant else "")
@@ -409,7 +409,8 @@ def float16_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
 
         km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
         with progress.phase("references in float16", subject=f"{case.id} {step} {mode}"):
-            out = run16(get_step(step), km, traces.inputs(step, mode, "float32"))
+            s = get_step(step)
+            out = as_outputs(s, Mixed(s.module(km), emulate=True)(*traces.inputs(step, mode, "float32").values()))
         atomic_write(tmp / "outputs.pt", lambda f: torch.save(out, f))
 
     entry, _ = cache.get_or_build("variants", key, build)

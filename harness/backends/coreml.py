@@ -165,7 +165,7 @@ class _CoreMLBackend(Backend):
         precision, kept = getattr(ct.precision, self.precision), None
         keep = self.keep_fp32()
         if keep:  # harness.precision: the keep-list's modules stay float32 (FP16ComputePrecision's op_selector)
-            from ..precision import op_selector_for
+            from ..precision.islands import op_selector_for
 
             selector, kept = op_selector_for(program, keep)
             precision = ct.transform.FP16ComputePrecision(op_selector=selector)
@@ -219,11 +219,11 @@ class CoreMLFp16Backend(_CoreMLBackend):
 
     def keep_fp32(self) -> list[str]:
         """$KOKORO_PARITY_KEEP_FP32 (`--keep-fp32 FILE`): modules whose ops stay float32."""
-        from ..precision import read_keep_list
+        from ..precision.islands import read_keep_list
 
         return read_keep_list()
 
     def version(self) -> str:
-        from ..precision import keep_tag
+        from ..precision.islands import keep_tag
 
         return super().version() + keep_tag(self.keep_fp32())

@@ -18,19 +18,6 @@ FP16_MAX = 65504.0
 TOP = 15  # submodules listed in the audit, by largest activation
 
 
-def node_module_path(node) -> str:
-    """The module path of an FX node of an exported step (`decoder.generator.m_source`), from its
-    `nn_module_stack`; `<top>` for the step's own code."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return "<top>"
-    path = ""
-    for entry, _ in stack.values():  # an entry may be relative to its parent (patched forwards)
-        path = entry if not path or entry.startswith(path) else f"{path}.{entry}"
-    path = path.removeprefix("L['self'].")
-    return (path[len("kmodel."):] if path.startswith("kmodel.") else path) or "<top>"
-
-
 def _to_dtype(graph_module, dtype):
     """Cast parameters, buffers and tensor constants, and rewrite the float32 that the graph
     hard-codes (arange(dtype=...), .type(torch.float32)) so that the whole program is `dtype`."""
@@ -54,6 +41,8 @@ def activation_ranges(graph_module, inputs) -> tuple[list, dict]:
     whether any value was non-finite, plus the first node that produced a non-finite value)."""
     import torch
     import torch.fx
+
+    from ..precision.islands import node_module_path
 
     stats: dict[str, dict] = {}
     first_nonfinite: list[str] = []
@@ -99,7 +88,7 @@ class Fp16Backend(Backend):
     def version(self) -> str:
         """With $KOKORO_PARITY_KEEP_FP32 (a keep-list of `kokoro-parity precision`), the modules it
         names run in float32: part of the version, so of the artifact key and the record."""
-        from ..precision import keep_tag, read_keep_list
+        from ..precision.islands import keep_tag, read_keep_list
 
         return super().version() + keep_tag(read_keep_list())
 
@@ -118,7 +107,7 @@ class Fp16Backend(Backend):
 
         program = torch.export.load(str(artifact_path))
         _, fp32 = activation_ranges(program.module(), inputs)
-        from ..precision import keep_float32_graph, read_keep_list
+        from ..precision.islands import keep_float32_graph, read_keep_list
 
         keep = read_keep_list()
         full = copy.deepcopy(program.module()) if keep else None  # _to_dtype casts the shared parameters

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.precision import (Float16Mode, Mixed, Target, candidates, evaluate, keep_float32_graph, keep_tag,
-                               module_audit, patches_for, read_keep_list, search, write_keep_list)
+from harness.precision.float16 import Float16Mode, Mixed
+from harness.precision.islands import keep_float32_graph, keep_tag, patches_for, read_keep_list
+from harness.precision.search import Target, candidates, evaluate, module_audit, search, write_keep_list
 from harness.steps import Step, Tensor
 from harness.verdict import Tolerance, Verdict, judge_outputs, shippable
 
@@ -160,7 +161,7 @@ def test_coreml_op_selector_keeps_the_island_in_float32(toy):
     ct = pytest.importorskip("coremltools")
     from coremltools.converters.mil.mil import types
 
-    from harness.precision import op_selector_for
+    from harness.precision.islands import op_selector_for
 
     model, x, _ = toy
     program = torch.export.export(copy.deepcopy(model), (x[:, :64],)).run_decompositions({})
@@ -332,7 +333,7 @@ def test_an_island_reads_inputs_unrounded_and_its_own_float32_weights():
 
 def test_the_fp16_backend_island_reads_the_input_through_the_view_in_float32():
     from harness.backends.fp16 import _to_dtype
-    from harness.precision import island_nodes
+    from harness.precision.islands import island_nodes
 
     model = ReadsItsInput().eval()
     f = 0.05 + 1e-3 * torch.rand(1, 3000, generator=torch.Generator().manual_seed(0))
@@ -376,7 +377,7 @@ class _Gen(nn.Module):
 
 
 def test_stft_islands_is_bit_exact_and_names_the_two_stfts(tiny_generator):
-    from harness.backends.fp16 import node_module_path
+    from harness.precision.islands import node_module_path
     from harness.patches import apply_patches, sample_noise
 
     base = ("noise_as_input", "fold_weight_norm", "custom_stft", "stft_phase_where")
@@ -401,7 +402,7 @@ def test_stft_islands_is_bit_exact_and_names_the_two_stfts(tiny_generator):
 
 
 def test_verify_judges_a_given_set_without_a_search(toy, tmp_path):
-    from harness.precision import verify
+    from harness.precision.search import verify
 
     tol = Tolerance()
     fixed = verify([_target(toy)], ["phase"], tol)
@@ -417,7 +418,7 @@ def test_e2e_targets_are_the_two_stages_judged_as_the_e2e_item_does(random_model
     synthesizer on the reference's alignment (judged by its audio); the shares count only the
     parameters of modules that ran."""
     from harness.cases import write_case
-    from harness.precision import share_of, step_label, targets_for, verify
+    from harness.precision.search import share_of, step_label, targets_for, verify
 
     monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KOKORO_PARITY_CASES", str(tmp_path / "cases"))
@@ -489,7 +490,7 @@ class Integrate(nn.Module):
 
 
 def test_search_keeps_a_whole_upstream_chain_that_no_single_module_fixes():
-    from harness.precision import block_of, upstream
+    from harness.precision.search import block_of, upstream
 
     model = ChainToy().eval()
     model.phase = Integrate()
@@ -511,7 +512,7 @@ def test_search_keeps_a_whole_upstream_chain_that_no_single_module_fixes():
 
 
 def test_enclosing_names_the_parent_whose_own_code_runs_between_kept_children():
-    from harness.precision import enclosing
+    from harness.precision.search import enclosing
 
     children = {"decoder.generator": ["decoder.generator.m_source", "decoder.generator.stft",
                                       "decoder.generator.resblocks"],
@@ -522,3 +523,19 @@ def test_enclosing_names_the_parent_whose_own_code_runs_between_kept_children():
     # stft's children are all kept (nothing of its own left); predictor and the generator share only the root
     assert enclosing(keep, children, "") == ["decoder.generator", "decoder"]  # innermost first
     assert enclosing(["decoder.generator.m_source"], children, "") == []
+
+
+def test_search_goes_on_from_a_given_set_and_judges_cheap_cases_first():
+    model = ChainToy().eval()
+    model.phase = Integrate()
+    x = (5.0 + (torch.arange(4000) % 512) / 512).reshape(1, 4000)
+    with torch.no_grad():
+        fp64 = {"duration": model.double()(x.double()).detach()}
+    model.float()
+    step = Step("chain", lambda km: km, (Tensor("x"),), (Tensor("duration", {1: "tokens"}),), "duration")
+    target = Target("chain", step, model, [x], fp64, lambda name, t: t)
+    lines = []
+    result = search([target], Tolerance(), depth=2, top_k=3, start=["phase"], log=lines.append)
+    assert result.reached and result.keep == ["a", "b", "phase"]
+    assert result.rounds[0]["chosen"] == "a,b"  # from `phase` on: no round spent finding it again
+    assert result.before[0].shippable is False

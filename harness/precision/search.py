@@ -1,25 +1,13 @@
-"""Float16 judged by its own floor, and the float32 islands that make a float16 port sound right.
-
-- `Float16Mode` runs eager PyTorch in float16 the way `harness.backends.fp16` runs an exported
-  program (its `_to_dtype`: weights, constants *and* the float32 the code hard-codes become float16),
-  with module-level mixed precision: the modules of `keep` run in float32 with their own float32
-  weights, on inputs as precise as they arrive (a step input read through views stays float32), and
-  their outputs are rounded where float16 code reads them (what Core ML's `op_selector` and the
-  `fp16` backend's `keep_float32_graph` do with an op-level float32 island).
-- `float16_outputs` gives a step's outputs in float16 eager: the float16 floor of
-  `harness.reference.float16_outputs` is their error against float64.
-- `search` finds the smallest set of modules to keep in float32 so that the float16 run is
-  *shippable* (`harness.verdict.shippable`) on every selected case: the per-module error and range
-  audit ranks the candidates, a greedy pass adds the one of most measured benefit until every case
-  is shippable, and a pruning pass drops those no longer needed.
-- `write_keep_list` emits the result in the two forms porters use: a keep-list JSON (read by the
-  `fp16` and `coreml-fp16` backends through $KOKORO_PARITY_KEEP_FP32) and a standalone Python file
-  with a Core ML `op_selector` for `ct.transform.FP16ComputePrecision`.
+"""The smallest set of modules to keep in float32 so that a float16 step is *shippable*
+(`harness.verdict.shippable`) on every selected case: the per-module error and range audit ranks
+the candidates, a greedy pass adds the one of most measured benefit until every case is shippable,
+and a pruning pass drops those no longer needed. `write_keep_list` emits the result in the two
+forms porters use (harness.precision.islands): a keep-list JSON and a standalone Python file with a
+Core ML `op_selector`. `kokoro-parity precision` is its face.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,210 +15,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from .backends.fp16 import node_module_path  # noqa: F401 - also inlined into the op_selector file
-
-# Semantics-preserving patches that turn code a module's forward runs inline into submodules, so that a
-# keep-list can name it: the vocoder's STFT (`decoder.generator.stft.analysis`) and iSTFT (`.synthesis`).
-# A keep-list naming their modules needs the backend's program exported with them (`--with-patch`).
-ISLAND_PATCHES = ("stft_islands",)
-ISLAND_MODULES = {"stft_islands": ("decoder.generator.stft.analysis", "decoder.generator.stft.synthesis")}
-
-
-def patches_for(keep: Iterable[str]) -> list[str]:
-    """The ISLAND_PATCHES that a keep-list's modules need (the backend's program exported with them)."""
-    return [p for p, mods in ISLAND_MODULES.items() if any(under(k, mods) for k in keep)]
-KEEP_ENV = "KOKORO_PARITY_KEEP_FP32"  # a keep-list JSON: the fp16 / coreml-fp16 backends keep its modules in float32
-KEEP_SCHEMA = "kokoro-parity/keep-fp32/1"
-FLOOR_VERSION = 1  # bump when the float16 eager recipe changes: it invalidates cached float16 floors
-WIDE = (torch.float32, torch.float64)
-PREFIX = "kmodel."  # a step module's paths start with it; keep-lists and audits use the KModel's paths
-
-
-def _strip(path: str) -> str:
-    return path[len(PREFIX):] if path.startswith(PREFIX) else path
-
-
-def _kmodel_path(step_module: torch.nn.Module, path: str) -> bool:
-    """Whether `path` is one of the KModel's modules: a step module holds the KModel as `kmodel`,
-    and an e2e stage also its own wrappers (`f0n`, `decoder`), which are not KModel paths."""
-    return path.startswith(PREFIX) or not hasattr(step_module, "kmodel")
-
-
-def under(path: str, keep: Iterable[str]) -> bool:
-    """Whether module `path` is one of `keep` or inside one of them."""
-    return any(path == k or path.startswith(k + ".") for k in keep)
-
-
-# ---- eager float16 with float32 islands ------------------------------------------------------------
-
-# Ops that only move values (views, reshapes, indexing): no arithmetic, so no rounding of their own.
-# Their output keeps its input's precision and is rounded where float16 code reads it; an island
-# that reads a step input through them (Generator's `f0[:, None]`) gets it in float32, as the `fp16`
-# backend's and Core ML's islands do (`island_nodes`).
-DATA_MOVEMENT = frozenset({
-    "__getitem__", "unsqueeze", "squeeze", "transpose", "permute", "view", "reshape", "contiguous", "expand",
-    "narrow", "select", "flatten", "unflatten", "t", "clone", "detach", "chunk", "split", "unbind"})
-
-
-def _inplace(func) -> bool:
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name in (
-        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "copy_")
-
-
-class Float16Mode(TorchFunctionMode):
-    """Every floating tensor that a torch function takes or makes is float16 while the mode is in a
-    float16 region, and float32 inside a kept module (`region`): dtype arguments float32 / float64
-    become float16 (arange(dtype=...), .to(torch.float32), .float()), as the fp16 backend's graph
-    rewrite does. An in-place op's target is never cast (the write must land).
-
-    `emulate=True` computes every op in float32 and rounds its result to float16 (overflow to inf
-    included): float16 storage with float32 arithmetic inside an op, which is what float16 convolution
-    kernels do (they accumulate in float32) and 10-20x faster than PyTorch's float16 CPU kernels.
-    An op with no float16 CPU kernel (MKL's FFT in TorchSTFT) is computed the same way."""
-
-    def __init__(self, dtype=torch.float16, emulate: bool = False):
-        super().__init__()
-        self.dtype, self.emulate = dtype, emulate
-        self.region = [dtype]
-
-    @property
-    def low(self) -> bool:
-        return self.region[-1] != torch.float32
-
-    def round(self, out):
-        """Float results as a float16 region stores them."""
-        def r(x):
-            if not isinstance(x, torch.Tensor) or x.dtype not in (*WIDE, self.dtype):
-                return x
-            return x.to(self.dtype).float() if self.emulate else x.to(self.dtype)
-        return tree_map(r, out)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        low = self.low
-        storage = torch.float32 if (self.emulate or not low) else self.dtype
-
-        def cast(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                if low and self.emulate and x.dtype != torch.float64:  # a float32 value read by float16 code
-                    return x.to(self.dtype).float()
-                if x.dtype != storage:
-                    return x.to(storage)
-            if isinstance(x, torch.dtype) and x in WIDE:
-                return storage
-            return x
-
-        if func in (torch.Tensor.float, torch.Tensor.double):
-            return self.round(args[0]) if low else args[0].float()
-        if low and getattr(func, "__name__", "") in DATA_MOVEMENT:
-            return func(*args, **kwargs)  # no arithmetic: the values keep the precision they came in
-        inplace = _inplace(func)
-        if inplace:
-            args = (args[0], *tree_map(cast, tuple(args[1:]))) if args else args
-        else:
-            args = tree_map(cast, tuple(args))
-        kwargs = {k: (v if k == "out" else tree_map(cast, v)) for k, v in kwargs.items()}
-        try:
-            out = func(*args, **kwargs)
-        except (RuntimeError, NotImplementedError) as e:
-            if not low or "Half" not in str(e) or inplace:
-                raise
-            up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype == self.dtype else x  # noqa: E731
-            out = func(*tree_map(up, args), **{k: tree_map(up, v) for k, v in kwargs.items()})
-        if low and inplace and self.emulate and isinstance(out, torch.Tensor) and out.dtype in WIDE:
-            with torch.no_grad():
-                out.copy_(out.to(self.dtype))
-            return out
-        return self.round(out) if low and not inplace else out
-
-
-def _cast_module(module: torch.nn.Module, dtype) -> None:
-    """Parameters, buffers and plain tensor attributes (TorchSTFT's window) to `dtype`."""
-    module.to(dtype)
-    for m in module.modules():
-        for name, value in list(vars(m).items()):
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and not isinstance(value, torch.nn.Parameter):
-                setattr(m, name, value.to(dtype))
-
-
-def _restore_float32(sub: torch.nn.Module, original: torch.nn.Module) -> None:
-    """A kept module's parameters, buffers and tensor attributes as float32 copies of the original's:
-    casting the float16 copy back up would keep float16's rounding in the island's weights (the
-    `fp16` backend's kept nodes read the float32 weights too)."""
-    _cast_module(sub, torch.float32)
-    src = {n: t for n, t in [*original.named_parameters(), *original.named_buffers()]}
-    with torch.no_grad():
-        for name, t in [*sub.named_parameters(), *sub.named_buffers()]:
-            if t.is_floating_point() and name in src:
-                t.copy_(src[name])
-    for path, m in sub.named_modules():
-        o = original.get_submodule(path) if path else original
-        for name, value in list(vars(m).items()):
-            if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and not isinstance(value, torch.nn.Parameter)):
-                setattr(m, name, getattr(o, name).to(torch.float32))
-
-
-class Mixed:
-    """A copy of `module` in float16 with the submodules of `keep` (paths relative to the KModel,
-    i.e. without the step's `kmodel.`) in float32. Call it with float32 inputs; it returns float32
-    outputs computed in mixed precision."""
-
-    def __init__(self, module: torch.nn.Module, keep: Iterable[str] = (), dtype=torch.float16, emulate: bool = False):
-        self.module = copy.deepcopy(module)
-        self.keep = sorted(set(keep))
-        self.mode = Float16Mode(dtype, emulate)
-        _cast_module(self.module, dtype)
-        if emulate:  # float16 weights, stored as float32
-            _cast_module(self.module, torch.float32)
-        originals = dict(module.named_modules())
-        found = set()
-        for path, sub in self.module.named_modules():
-            p = _strip(path)
-            # every module inside a kept one is an island too: step code may call a child directly
-            # (F0NStep runs predictor.shared and predictor.F0 without predictor.forward), and the
-            # backends tag a node by its module path, so a kept parent keeps its children's nodes
-            if under(p, self.keep) and _kmodel_path(self.module, path):
-                found.add(p)
-                _restore_float32(sub, originals[path])
-                self._wrap(sub)
-        missing = [k for k in self.keep if k not in found]
-        if missing:
-            raise KeyError(f"keep-list: no module {', '.join(missing)} in this step")
-
-    def _wrap(self, sub: torch.nn.Module) -> None:
-        forward, mode = sub.forward, self.mode
-
-        def island(*args, **kwargs):
-            mode.region.append(torch.float32)
-            try:
-                out = forward(*args, **kwargs)
-            finally:
-                mode.region.pop()
-            # no cast at the boundary: float16 code rounds what it reads, and a kept neighbour reads float32
-            # (Core ML's op_selector and the fp16 backend's graph cast only between float16 and float32 ops)
-            return out
-
-        sub.forward = island
-
-    def __call__(self, *inputs):
-        with torch.no_grad(), self.mode:
-            out = self.module(*inputs)
-        return tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, out)
-
-
-def float16_outputs(step, km: torch.nn.Module, inputs: dict[str, torch.Tensor], keep: Iterable[str] = (),
-                    emulate: bool = True) -> dict:
-    """`step` (harness.steps.Step) of `km` in float16 eager (with `keep` in float32) on float32
-    `inputs`: {output name: float32 tensor}."""
-    from .reference import as_outputs
-
-    return as_outputs(step, Mixed(step.module(km), keep, emulate=emulate)(*inputs.values()))
-
+from .float16 import Mixed, _kmodel_path, _strip, under
+from .islands import ISLAND_PATCHES, KEEP_SCHEMA, island_nodes, node_module_path, op_selector_for, patches_for
 
 # ---- the per-module audit -------------------------------------------------------------------------
 
@@ -310,156 +98,6 @@ def _detached(m: torch.nn.Module) -> torch.nn.Module:
     return c
 
 
-# ---- the forms a keep-list takes in a backend -----------------------------------------------------
-
-def read_keep_list(path: str | Path | None = None) -> list[str]:
-    """The module paths of a keep-list JSON ($KOKORO_PARITY_KEEP_FP32 when `path` is None); [] when
-    neither is set. A bad file is a ValueError naming it."""
-    import os
-
-    path = path or os.environ.get(KEEP_ENV)
-    if not path:
-        return []
-    try:
-        data = json.loads(Path(path).read_text())
-        keep = data["keep_fp32"] if isinstance(data, dict) else data
-        if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
-            raise TypeError("field 'keep_fp32' must be a list of module paths")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"keep-list {path} (${KEEP_ENV}): {type(e).__name__}: {e}") from None
-    return sorted(set(keep))
-
-
-def keep_tag(keep: list[str]) -> str:
-    """Part of a backend's `version()` (so of its artifact key) when it keeps modules in float32."""
-    from .plumbing.files import content_key
-
-    return f";keep-fp32={content_key('keep', *keep)[:12]}" if keep else ""
-
-
-def island_nodes(graph, keep: list[str]) -> set:
-    """The call_function nodes of an exported step's `graph` that compute in float32 with `keep`: the
-    nodes inside the kept modules, and the data-movement nodes (views, reshapes, indexing: no
-    arithmetic) whose every user is one of them, so that an island reads a program input or another
-    island's output through them unrounded (the Generator's `f0[:, None]` before `f0_upsamp`)."""
-    moves = {"view", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "permute", "reshape", "expand", "slice",
-             "select", "clone", "alias", "t", "getitem", "split", "split_with_sizes", "chunk", "unbind", "flatten",
-             "unflatten", "contiguous"}
-
-    def op_name(n) -> str:
-        return getattr(n.target, "_opname", None) or getattr(n.target, "__name__", str(n.target))
-
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    island = {n for n in nodes if any(node_module_path(n) == k or node_module_path(n).startswith(k + ".")
-                                      for k in keep)}
-    for n in reversed(nodes):  # users first: a chain of moves into an island joins whole
-        if n not in island and op_name(n) in moves and n.users and all(u in island for u in n.users):
-            island.add(n)
-    for n in nodes:  # and a chain from an island to the program's outputs (its outputs stay float32)
-        if (n not in island and op_name(n) in moves and n.all_input_nodes and n.users
-                and all(a in island or a.op == "get_attr" for a in n.all_input_nodes)
-                and all(u in island or u.op == "output" for u in n.users)):
-            island.add(n)
-    return island
-
-
-def op_selector_for(exported_program, keep: list[str]):
-    """A Core ML `op_selector` for `ct.transform.FP16ComputePrecision` that keeps in float32 the MIL
-    ops converted from nodes inside the `keep` modules. It tags every node with a debug handle
-    (coremltools carries `debug_handle` into the op's EXIR_DEBUG_HANDLE scope), so convert *this*
-    program object. Returns (op_selector, number of nodes kept)."""
-    from coremltools.converters.mil.mil.scope import ScopeSource
-
-    island = island_nodes(exported_program.graph, keep)
-    kept = set()
-    for i, node in enumerate(exported_program.graph.nodes, start=1):
-        node.meta["debug_handle"] = i
-        if node in island:
-            kept.add(i)
-
-    def op_selector(op) -> bool:
-        """True: the op is cast to float16; False: it stays in float32."""
-        handles = op.scopes.get(ScopeSource.EXIR_DEBUG_HANDLE, []) if hasattr(op, "scopes") else []
-        return not any(h in kept for h in handles if h is not None)
-
-    return op_selector, len(kept)
-
-
-def keep_float32_graph(gm16, gm32, keep: list[str]):
-    """The fp16 backend's graph (`gm16`, all float16) with the nodes inside `keep` (`island_nodes`)
-    computing in float32: their float inputs cast up (their weights taken from the float32 `gm32`),
-    the dtypes they hard-code restored, and their float outputs cast down where a float16 node reads
-    them. The graph takes its float inputs in **float32** (as a Core ML model with float32 inputs
-    does): an island reads them as they are, float16 nodes through a cast. A kept module with no
-    node in the graph is a ValueError (a module that a patch makes needs the program exported with it)."""
-    import torch.fx
-
-    island = island_nodes(gm16.graph, keep)
-    found = {k for n in island for k in keep if under(node_module_path(n), [k])}
-    if set(keep) - found:
-        raise ValueError(f"keep-list: no node of {', '.join(sorted(set(keep) - found))} in the program; a module "
-                         f"made by a patch needs the program exported with it (--with-patch "
-                         f"{' --with-patch '.join(ISLAND_PATCHES)})")
-
-    def kept_node(n) -> bool:
-        return n in island
-
-    def is_float(n) -> bool:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return val.is_floating_point()
-        if n.op == "get_attr":
-            return isinstance(v := _attr(gm32, n.target), torch.Tensor) and v.is_floating_point()
-        return False
-
-    g = gm16.graph
-    originals = {n.name: n for n in gm32.graph.nodes}
-    kept = {n for n in g.nodes if kept_node(n)}
-    up_attrs: dict[str, torch.fx.Node] = {}
-    casts: dict[tuple[str, Any], torch.fx.Node] = {}
-
-    def cast(a, n, dtype):
-        key = (a.name, dtype)
-        if key not in casts:
-            with g.inserting_after(a):
-                casts[key] = g.call_function(torch.ops.aten._to_copy.default, (a,), {"dtype": dtype})
-        n.replace_input_with(a, casts[key])
-
-    for n in list(g.nodes):
-        if n in kept:
-            o = originals.get(n.name)
-            if o is not None:  # the dtypes of the original (float32) node
-                n.args = tuple(oa if isinstance(oa, torch.dtype) else a for a, oa in zip(n.args, o.args))
-                if "dtype" in o.kwargs:
-                    n.kwargs = {**n.kwargs, "dtype": o.kwargs["dtype"]}
-            for a in list(n.all_input_nodes):
-                if a in kept or a.op == "placeholder" or not is_float(a):  # inputs arrive in float32
-                    continue
-                if a.op == "get_attr":  # its float32 weights, not the float16 ones cast back
-                    if a.target not in up_attrs:
-                        name = a.target.replace(".", "_") + "_fp32"
-                        setattr(gm16, name, _attr(gm32, a.target))
-                        with g.inserting_after(a):
-                            up_attrs[a.target] = g.get_attr(name)
-                    n.replace_input_with(a, up_attrs[a.target])
-                else:
-                    cast(a, n, torch.float32)
-        elif n.op != "output":
-            for a in list(n.all_input_nodes):
-                if (a in kept or a.op == "placeholder") and is_float(a):
-                    cast(a, n, torch.float16)
-    g.lint()
-    gm16.recompile()
-    return gm16
-
-
-def _attr(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 # ---- the search ---------------------------------------------------------------------------------
 
 @dataclass
@@ -486,11 +124,11 @@ def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynam
     """The search's targets: one per case (per case and stage for `e2e`), with the patches of the
     `fp16` backend's programs and ISLAND_PATCHES (bit-exact; they make code that a module runs as
     methods keepable)."""
-    from .backends.fp16 import Fp16Backend
-    from .cases import case_dirs, configured_dirs, load_cases
-    from .patches import affecting, apply_patches
-    from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, load_traces, references_for
-    from .steps import get_step
+    from ..backends.fp16 import Fp16Backend
+    from ..cases import case_dirs, configured_dirs, load_cases
+    from ..patches import affecting, apply_patches
+    from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, load_traces, references_for
+    from ..steps import get_step
 
     if step == "e2e" and mode != "dynamic":
         raise ValueError("--step e2e: dynamic mode only (the e2e item's static buckets pad the synthesizer, a "
@@ -522,8 +160,8 @@ def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynam
 def _e2e_fp64(model, case, traces, step, km, inputs, variant) -> dict[str, torch.Tensor]:
     """float64 outputs of an e2e stage: the synthesizer's is the e2e item's own (cached), the
     duration stage's is one cheap float64 pass here."""
-    from .patches import to_float64
-    from .reference import as_outputs, synthesizer_reference
+    from ..patches import to_float64
+    from ..reference import as_outputs, synthesizer_reference
 
     if step.name == "synthesizer":
         return {"audio": synthesizer_reference(model, case, traces, tuple(variant))["float64"]}
@@ -548,10 +186,10 @@ AUDIO_KEYS = ("pesq", "mcd_db", "rms_ratio_db")
 
 def evaluate(target: Target, keep: Iterable[str], tol, emulate: bool = True) -> Evaluation:
     """Run the target's step in float16 with `keep` in float32 and judge it by the shippable bar."""
-    from .metrics.audio import audio_metrics
-    from .metrics.tensor import error_metrics
-    from .reference import as_outputs
-    from .verdict import shippable
+    from ..metrics.audio import audio_metrics
+    from ..metrics.tensor import error_metrics
+    from ..reference import as_outputs
+    from ..verdict import shippable
 
     start = time.perf_counter()
     keep = sorted(keep)
@@ -681,33 +319,31 @@ class SearchResult:
 
 
 def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_rounds: int = 8, emulate: bool = True,
-           log: Callable[[str], None] = lambda s: None) -> SearchResult:
+           start: Iterable[str] = (), log: Callable[[str], None] = lambda s: None) -> SearchResult:
     """The smallest set of modules to keep in float32 so that every target is shippable: the audit
     ranks the candidates (module alone in float16, local error), a greedy pass adds the candidate of
-    most measured benefit (the one that lowers the worst case's distance to the bars most; top_k
-    single modules tried per round, plus the kept modules' whole upstream chain as one candidate and
-    the innermost parent of kept modules that runs code of its own), then a pruning pass drops every
-    module the set no longer needs.
+    most measured benefit to the *cheapest* case not yet shippable (top_k single modules tried per
+    round, plus the kept modules' whole upstream chain as one candidate and the innermost parent of
+    kept modules that runs code of its own), then a pruning pass drops every module the set no
+    longer needs. Cases are evaluated cheapest first and a longer one only once the shorter ones are
+    shippable: what fixes 3 s of audio mostly fixes 27 s, at a fifth of the cost of trying it there.
+    `start`: a set to search on from (a porter's current set), instead of nothing.
 
     Longer than 80 lines on purpose: audit, greedy rounds and pruning share `keep`, `current` and
     the per-step rankings, and read as one algorithm top to bottom; split, they would pass all
     of that state back and forth."""
-    start = time.perf_counter()
+    began = time.perf_counter()
     step = targets[0].step
 
-    def run_all(keep, stop_on_fail: bool = False):
-        evs = []
-        for t in targets:
-            e = evaluate(t, keep, tol, emulate)
-            evs.append(e)
-            log(f"  {e.case}: keep {e.keep or '-'}: {'SHIPPABLE' if e.shippable else 'not shippable'} "
-                f"({e.why}) [{e.seconds} s]")
-            if stop_on_fail and not e.shippable:
-                break
-        return evs
+    def judge(i: int, keep) -> Evaluation:
+        e = evaluate(targets[i], keep, tol, emulate)
+        log(f"  {e.case}: keep {e.keep or '-'}: {'SHIPPABLE' if e.shippable else 'not shippable'} "
+            f"({e.why}) [{e.seconds} s]")
+        return e
 
     log(f"float16 everywhere, {len(targets)} case(s):")
-    before = current = run_all([])
+    before = [judge(i, []) for i in range(len(targets))]
+    by_cost = sorted(range(len(targets)), key=lambda i: before[i].seconds)  # cheapest first
     smallest = smallest_per_step(targets)
     audits: dict[str, list[dict]] = {}  # per step (two for e2e): a case is helped only by modules its step runs
     ranked: dict[str, list[str]] = {}
@@ -720,67 +356,78 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_round
     audit = sorted((r for rows in audits.values() for r in rows), key=_audit_order)
     tree = {t.step.name: _children(t.module) for t in smallest}
     root = step.module_path
-    keep: list[str] = []
+    keep: list[str] = _normalize(start)
+    current: list[Evaluation | None] = list(before) if not keep else [None] * len(targets)  # None: not yet judged
     rounds = []
     stuck: set[int] = set()  # cases no candidate of their step helps: the search goes on with the others
-    while not all(e.shippable for e in current) and sum(1 for r in rounds if r.get("kept")) < max_rounds:
-        open_cases = [i for i in range(len(targets)) if not current[i].shippable and i not in stuck]
-        if not open_cases:
+    while sum(1 for r in rounds if r.get("kept")) < max_rounds:
+        work = None  # the cheapest case not shippable with `keep` (judged lazily, cheapest first)
+        for i in by_cost:
+            if current[i] is None:
+                current[i] = judge(i, keep)
+            if not current[i].shippable and i not in stuck:
+                work = i
+                break
+        if work is None:
             break
-        worst = max(open_cases, key=lambda i: current[i].badness)
-        in_step = audits[targets[worst].step.name]
+        in_step = audits[targets[work].step.name]
         # the modules that feed a kept one first: an island's input arrives rounded to float16 otherwise
         # (SineGen integrates its F0: a float16 F0 is a frequency error that the phase accumulates)
         by_module = {r["module"]: r for r in in_step}
         feeding = [p for k in keep for p in by_module.get(k, {}).get("producers", [])
                    if not under(p, keep) and not any(k.startswith(p + ".") for k in keep) and p != root
                    and p in by_module]
-        singles = list(dict.fromkeys([*feeding, *(c for c in ranked[targets[worst].step.name]
+        singles = list(dict.fromkeys([*feeding, *(c for c in ranked[targets[work].step.name]
                                                   if not under(c, keep))]))[:top_k]
         # an option is a set of modules: one module, or the kept modules' whole upstream chain
         options = [(c,) for c in singles]
         chain = tuple(upstream(keep, in_step, root))
         if len(chain) > 1 and chain not in options:
             options.append(chain)
-        options += [(p,) for p in enclosing(keep, tree[targets[worst].step.name], root) if (p,) not in options][:1]
+        options += [(p,) for p in enclosing(keep, tree[targets[work].step.name], root) if (p,) not in options][:1]
         if not options:
-            log(f"  no candidate left for {targets[worst].case}")
-            stuck.add(worst)
+            log(f"  no candidate left for {targets[work].case}")
+            stuck.add(work)
             continue
         label = lambda o: o[0] if len(o) == 1 else "upstream chain [" + ", ".join(o) + "]"  # noqa: E731
-        log(f"round {len(rounds) + 1}: on {targets[worst].case} (distance {current[worst].badness:.3f}), trying "
+        log(f"round {len(rounds) + 1}: on {targets[work].case} (distance {current[work].badness:.3f}), trying "
             + "; ".join(label(o) for o in options))
         tried = {}
         for o in options:
-            e = evaluate(targets[worst], _normalize([*keep, *o]), tol, emulate)
+            e = evaluate(targets[work], _normalize([*keep, *o]), tol, emulate)
             tried[o] = e
             log(f"  + {label(o)}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
             if e.badness == 0:  # shippable on this case: no other option can do better
                 break
         best = min(tried, key=lambda o: (tried[o].badness, len(o)))
-        rounds.append({"case": targets[worst].case, "tried": {",".join(o): e.badness for o, e in tried.items()},
+        rounds.append({"case": targets[work].case, "tried": {",".join(o): e.badness for o, e in tried.items()},
                        "chosen": ",".join(best)})
-        if tried[best].badness >= current[worst].badness - 1e-6:
-            log(f"  no candidate lowers {targets[worst].case}'s distance: on with the other cases")
-            stuck.add(worst)
+        if tried[best].badness >= current[work].badness - 1e-6:
+            log(f"  no candidate lowers {targets[work].case}'s distance: on with the other cases")
+            stuck.add(work)
             continue
         keep = _normalize([*keep, *best])
         rounds[-1]["kept"] = True
         ranked = {name: [c for c in rows if not under(c, keep)] for name, rows in ranked.items()}
         log(f"  keep {label(best)}")
-        current = run_all(keep)
+        current = [None] * len(targets)
+        current[work] = tried[best]
+    current = [e if e is not None else judge(i, keep) for i, e in enumerate(current)]
     if all(e.shippable for e in current) and len(keep) > 1:
         log("pruning:")
         for k in list(keep):
-            trial = [x for x in keep if x != k]
-            evs = run_all(trial, stop_on_fail=True)
-            if len(evs) == len(targets) and all(e.shippable for e in evs):
-                keep, current = trial, evs
+            trial, evs = [x for x in keep if x != k], {}
+            for i in by_cost:  # cheapest first: a failing trial stops early
+                evs[i] = judge(i, trial)
+                if not evs[i].shippable:
+                    break
+            if len(evs) == len(targets) and all(e.shippable for e in evs.values()):
+                keep, current = trial, [evs[i] for i in range(len(targets))]
                 log(f"  dropped {k}: not needed")
     result = SearchResult(step_label(targets), [t.case for t in targets], keep, all(e.shippable for e in current),
                           before, current, audit, rounds, emulate=emulate)
     result.share = share_of(smallest, keep)
-    result.seconds = round(time.perf_counter() - start, 1)
+    result.seconds = round(time.perf_counter() - began, 1)
     return result
 
 
@@ -886,7 +533,7 @@ def write_keep_list(result: SearchResult, out_dir: Path) -> dict[str, Path]:
     standalone Core ML op_selector file."""
     import inspect
 
-    from .plumbing.files import atomic_write_json, atomic_write_text
+    from ..plumbing.files import atomic_write_json, atomic_write_text
 
     out_dir = Path(out_dir)
     data = {"schema": KEEP_SCHEMA, "step": result.step, "cases": result.cases, "keep_fp32": result.keep,
