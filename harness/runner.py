@@ -63,7 +63,7 @@ class Resolved:
     """An item with what it needs, looked up once."""
 
     item: Item
-    step: object  # harness.steps.Step; None for e2e, which runs two stages (harness.e2e)
+    step: object  # harness.steps.Step; None for e2e, a two-stage port run by the port chain (harness.e2e)
     case: Case
     traces: object  # harness.reference.CaseTraces
     backend: Backend
@@ -189,7 +189,7 @@ class Session:
             rec.reason = why
             return rec
         r = self.resolve(item)
-        if item.step == "e2e":
+        if item.step == "e2e":  # the harness's own two-stage port, through harness.port.chain.run_chain
             from .e2e import run_e2e
 
             return run_e2e(self, r, rec)

@@ -13,6 +13,10 @@ A user's host glue (`glue:` in the port file) is judged like a stage, row `glue:
 reference's values (local) and the chain's (chained). A bucketed stage (`buckets:`) gets its
 inputs padded to the bucket that fits (the harness's padding rules: harness.steps' pad values,
 the bucket's own prefix of the case's noise) and its outputs trimmed to the valid length.
+
+A stage may name a harness step (`step:`) instead of an artifact: it is exported and compiled for
+the item's backend through the session's cache (`Session.execute`, `HarnessSteps`). The `e2e` item
+is such a port (harness/data/ports/e2e.yaml, harness/e2e.py): one runner for both.
 """
 from __future__ import annotations
 
@@ -104,10 +108,7 @@ def run_port_item(session, item: PortItem):
     except (PortError, ValueError, FileNotFoundError) as e:
         rec.verdict, rec.reason = Verdict.RUN_ERROR, str(e)
         return session.finish(rec)
-    rec.audit["port"] = {"name": port.name, "source": port.source,
-                         "stages": [{"name": s.name, "artifact": s.artifact, "precision": s.precision,
-                                     "inputs": {k: v.tensor for k, v in s.inputs.items()},
-                                     "outputs": {k: v.tensor for k, v in s.outputs.items()}} for s in port.stages]}
+    rec.audit["port"] = port_audit(port)
     try:
         run_chain(session, port, item, rec)
     except PortError as e:
@@ -115,9 +116,35 @@ def run_port_item(session, item: PortItem):
     return session.finish(rec)
 
 
-def run_chain(session, port: Port, item: PortItem, rec) -> None:
+def port_audit(port: Port) -> dict:
+    """What the record says about the port it ran: its stages and their mapping."""
+    return {"name": port.name, "source": port.source,
+            "stages": [{"name": s.name, "artifact": s.artifact, **({"step": s.step} if s.step else {}),
+                        "precision": s.precision, "inputs": {k: v.tensor for k, v in s.inputs.items()},
+                        "outputs": {k: v.tensor for k, v in s.outputs.items()}} for s in port.stages]}
+
+
+@dataclass(frozen=True)
+class HarnessSteps:
+    """What a `step:` stage runs on: the item's backend and patches (export and compile through
+    the session's cache, as every item), and whether its buckets apply (static mode) or it runs
+    the exact lengths (dynamic mode: isolates the backend from the padding rewrite)."""
+
+    backend: object  # harness.backends.Backend
+    patches: list[str]
+    static: bool
+
+
+def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None, end=None,
+              profile_step: str = "port", references: dict | None = None) -> None:
+    """Run every stage locally and chained, one row per stage in `rec.stages`, then `end` (default
+    `judge_end`) gives the verdict from the chained values (and the last stage's local ones);
+    `profile_step`: the tolerance profile's step for the stage rows; `references`: {tensor:
+    {"float32": ..., "float64": ...}} judged against instead of the plain reference (a backend's
+    semantics-changing patches make their own variant, harness.reference.synthesizer_reference)."""
     from ..verdict import Verdict
 
+    end = end or judge_end
     traces = session.traces(item.case)
     case = session.cases[item.case]
     refs = tensors.module_refs(r.tensor for s in port.stages for r in (*s.inputs.values(), *s.outputs.values()))
@@ -135,8 +162,14 @@ def run_chain(session, port: Port, item: PortItem, rec) -> None:
     except ValueError as e:
         raise PortError(f"field 'glue': {e}") from None
     judged_glue: set[tuple[str, str]] = set()
+    app_runs: list[str] = []  # the timing tags of the runs the app makes (each stage's chained run)
+    local_out: dict = {}
     for i, stage in enumerate(port.stages):
-        tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
+        if stage.step is not None and steps is None:
+            raise PortError(f"stage {stage.name!r}, field 'step': a harness step runs on a backend; a port of "
+                            f"prebuilt artifacts names an `artifact:` per stage")
+        tol = session.profile.for_(stage.precision if stage.precision != "float32" else profile_step, item.backend,
+                                   item.mode)
         try:
             own = {ref.tensor: UserGlue(ref.glue, resolve_glue(ref.glue, port.root))
                    for ref in stage.inputs.values() if ref.glue is not None}
@@ -154,34 +187,45 @@ def run_chain(session, port: Port, item: PortItem, rec) -> None:
         local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
         meta: dict = {}
         local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces,
-                              valid_lengths(traces) if stage.buckets else None, meta)
+                              valid_lengths(traces) if stage.buckets else None, meta, steps)
         if local_out is None:
             return
         if i == 0 and not glued:
             chained_out = local_out
+            app_runs.append(stage_tag(port, stage, "local"))
         else:
             chain_in = {ref.tensor: own[ref.tensor](glue_view(chained, traces, user)) if ref.tensor in own
                         else glue(ref.tensor, chained, traces, user) for ref in stage.inputs.values()}
             chained_out = run_stage(session, port, stage, chain_in, rec, item, "chained", traces,
-                                    valid_lengths(traces, chained, user) if stage.buckets else None, meta)
+                                    valid_lengths(traces, chained, user) if stage.buckets else None, meta, steps)
             if chained_out is None:
                 return
+            app_runs.append(stage_tag(port, stage, "chained"))
         chained.update(chained_out)
-        row = {"stage": stage.name, "artifact": stage.artifact, "precision": stage.precision, "outputs": {}}
+        row = {"stage": stage.name, "artifact": stage.artifact, **({"step": stage.step} if stage.step else {}),
+               "precision": stage.precision, "outputs": {}}
         if meta:
             row["bucket"] = meta
         for tensor in chained_out:
-            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage)
-            chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol, stage)
+            ref = (references or {}).get(tensor)
+            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref)
+            chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
+                                                                        stage, ref)
             row["outputs"][tensor] = {"local": local, "chained": chain}
             if not local.get("ok", True) and first_local is None:
                 first_local = (stage.name, tensor, local)
         row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
         row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
         rec.stages.append(row)
-    judge_end(session, port, item, rec, chained, traces, case)
-    if len(port.stages) == 1:
-        pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX)
+    if "audio" in chained:  # the app's run time: each stage's chained run, for the audio it made
+        from ..model import SAMPLE_RATE
+        from ..record import real_time
+
+        rec.real_time = real_time(sum(rec.timings.get(f"{tag}run_s", 0.0) for tag in app_runs),
+                                  chained["audio"].shape[-1] / SAMPLE_RATE)
+    end(session, port, item, rec, chained, traces, case, local=local_out)
+    if len(port.stages) == 1 or rec.verdict is Verdict.PASS:
+        pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
     elif first_local is not None:
         stage, tensor, m = first_local
         rec.reason += (f"; first stage whose local error leaves its floor: {stage!r} ({tensor}: "
@@ -303,30 +347,48 @@ def trim(name: str, value: torch.Tensor, valid: dict[str, int]) -> torch.Tensor:
     return value.contiguous()
 
 
-def pad_to_bucket(stage: StageSpec, values: dict, bucket: int, traces) -> dict[str, torch.Tensor]:
-    """A bucketed stage's inputs padded to `bucket` along the axes in its unit, with the harness's
-    rules (harness.reference.pad_inputs): each step input's pad value (text_mask: True), zero
-    rows and columns of the alignment, and for the noise the bucket's own prefix of the case's draw."""
-    units = BUCKET_UNITS[stage.bucket_unit]
+def choose_buckets(stage: StageSpec, values: dict, traces) -> dict[str, int]:
+    """unit -> the bucket this run takes: the smallest listed size that holds the stage's inputs,
+    or the case's own bucket (`case`, its file's `bucket.tokens` / `bucket.frames`)."""
+    chosen = {}
+    for unit, sizes in stage.bucket_units.items():
+        need = bucket_size(stage, values, unit)
+        if sizes == "case":
+            chosen[unit] = traces.bucket.of(unit)
+            if need > chosen[unit]:
+                raise PortError(f"stage {stage.name!r}, field 'buckets': {need} {unit} exceed the case's bucket "
+                                f"({chosen[unit]})")
+        else:
+            chosen[unit] = stage.bucket_for(need, unit)
+    return chosen
+
+
+def pad_to_bucket(stage: StageSpec, values: dict, bucket: int | dict[str, int], traces) -> dict[str, torch.Tensor]:
+    """A bucketed stage's inputs padded to `bucket` ({unit: size}; an int: the stage's one unit)
+    along the axes in its units, with the harness's rules (harness.reference.pad_inputs): each
+    step input's pad value (text_mask: True), zero rows and columns of the alignment, and for the
+    noise the bucket's own prefix of the case's draw."""
+    chosen = bucket if isinstance(bucket, dict) else {stage.bucket_unit: bucket}
+    lengths = {u: size * m for unit, size in chosen.items() for u, m in BUCKET_UNITS[unit].items()}
     out = {}
     for name, value in values.items():
         if name in tensors.NOISE and name != "rand_ini":
             full = traces.chain[f"case_{name}"]
-            need = bucket * units.get("samples", 0) or value.shape[1]
+            need = lengths.get("samples") or value.shape[1]
             if full.shape[1] < need:
                 raise PortError(f"stage {stage.name!r}, field 'buckets': the case's {name} covers "
-                                f"{full.shape[1]} samples, bucket {bucket} needs {need}")
+                                f"{full.shape[1]} samples, bucket {chosen} needs {need}")
             out[name] = full[:, :need].contiguous()
             continue
         t = tensors.VOCAB.get(name)
         if t is not None and value.dim() == t.shape.count(",") + 1:
             for axis, unit in t.axes.items():
-                if unit not in units:
+                if unit not in lengths:
                     continue
-                extra = bucket * units[unit] - value.shape[axis]
+                extra = lengths[unit] - value.shape[axis]
                 if extra < 0:
                     raise PortError(f"stage {stage.name!r}, field 'buckets': {name} has {value.shape[axis]} {unit}, "
-                                    f"more than bucket {bucket} holds ({bucket * units[unit]})")
+                                    f"more than bucket {bucket} holds ({lengths[unit]})")
                 if extra:
                     shape = list(value.shape)
                     shape[axis] = extra
@@ -341,10 +403,11 @@ def _pad_value(name: str) -> float:
     return next((t.pad_value for s in STEPS for t in (*s.inputs, *s.outputs) if t.name == name), 0.0)
 
 
-def bucket_size(stage: StageSpec, values: dict) -> int:
-    """The length a bucket must hold, in the bucket's unit: the longest of the stage's inputs
-    along their axes in that unit (a user's glue that pads an input chooses the bucket)."""
-    units = BUCKET_UNITS[stage.bucket_unit]
+def bucket_size(stage: StageSpec, values: dict, unit: str | None = None) -> int:
+    """The length a bucket must hold, in `unit` (default: the bucket's): the longest of the stage's
+    inputs along their axes in that unit (a user's glue that pads an input chooses the bucket)."""
+    unit = unit or stage.bucket_unit
+    units = BUCKET_UNITS[unit]
     sizes = []
     for name, value in values.items():
         t = tensors.VOCAB.get(name)
@@ -352,7 +415,7 @@ def bucket_size(stage: StageSpec, values: dict) -> int:
             continue
         sizes += [-(-value.shape[axis] // units[u]) for axis, u in t.axes.items() if u in units]
     if not sizes:
-        raise PortError(f"stage {stage.name!r}, field 'buckets': no input with a {stage.bucket_unit} axis")
+        raise PortError(f"stage {stage.name!r}, field 'buckets': no input with a {unit} axis")
     return max(sizes)
 
 
@@ -411,25 +474,36 @@ def from_artifact(value: torch.Tensor, name: str, declared_dtype: str | None) ->
     return value
 
 
+def stage_tag(port: Port, stage: StageSpec, role: str) -> str:
+    """The prefix of a stage run's timings, cache and audit keys in the record."""
+    return f"{stage.name}.{role}." if len(port.stages) > 1 else ""
+
+
 def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, role: str, traces,
-              valid: dict[str, int] | None = None, meta: dict | None = None):
-    """Run one stage's artifact on Kokoro tensors; its outputs as Kokoro tensors, or None with the
-    record's verdict set. A bucketed stage runs the bucket that fits, its inputs padded to it and
-    its outputs trimmed to `valid` (valid_lengths); `meta[role]` records the bucket."""
+              valid: dict[str, int] | None = None, meta: dict | None = None, steps: HarnessSteps | None = None):
+    """Run one stage (its artifact, or its harness step on `steps`' backend) on Kokoro tensors; its
+    outputs as Kokoro tensors, or None with the record's verdict set. A bucketed stage runs the
+    bucket that fits, its inputs padded to it and its outputs trimmed to `valid` (valid_lengths);
+    `meta[role]` records the bucket (a size, or {unit: size} with buckets per unit)."""
     from ..backends.prebuilt import PrebuiltBackend, ports_from_job
     from ..plumbing.jobs import cached_job, run_job
     from ..runner import failed
     from ..verdict import Verdict
 
-    bucket = None
-    if stage.buckets:
-        bucket = stage.bucket_for(bucket_size(stage, values))
-        values = pad_to_bucket(stage, values, bucket, traces)
-        if meta is not None:
-            meta[role] = bucket
+    chosen = {}
+    if stage.buckets and (stage.step is None or (steps is not None and steps.static)):
+        chosen = choose_buckets(stage, values, traces)
+        values = pad_to_bucket(stage, values, chosen, traces)
+        listed = {u: b for u, b in chosen.items() if stage.bucket_units[u] != "case"}  # `case`: the case file's
+        if meta is not None and listed:
+            meta[role] = next(iter(listed.values())) if len(listed) == 1 else listed
+    tag = stage_tag(port, stage, role)
+    if stage.step is not None:
+        return run_step(session, stage, values, rec, item, role, tag, steps,
+                        valid or (valid_lengths(traces) if chosen else None))
+    bucket = (chosen if isinstance(stage.buckets, dict) else chosen[stage.bucket_unit]) if chosen else None
     path = stage.file_for(port.root, bucket)
     backend = PrebuiltBackend(path)
-    tag = f"{stage.name}.{role}." if len(port.stages) > 1 else ""
     ok, why = backend.available()
     if not ok:
         rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r}: {why}"
@@ -483,20 +557,41 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     return result_values
 
 
+def run_step(session, stage: StageSpec, values: dict, rec, item, role: str, tag: str, steps: HarnessSteps,
+             valid: dict[str, int] | None):
+    """A `step:` stage: the harness step exported, compiled (both cached) and run on the item's
+    backend with its patches, fed the Kokoro tensors its inputs map; outputs trimmed to `valid`
+    (a bucketed run) and returned as Kokoro tensors, or None with the record's verdict set."""
+    from ..steps import get_step
+
+    step = get_step(stage.step)
+    inputs = {name: values[stage.inputs[name].tensor] for name in step.input_names}
+    out = session.execute(steps.backend, step.name, inputs, steps.patches, rec, f"{item.id}/{stage.name}-{role}", tag)
+    if out is None:
+        rec.reason = f"stage {stage.name!r} ({role} run): {rec.reason}"
+        return None
+    result = {}
+    for name, value in zip(step.output_names, out):
+        tensor = stage.outputs[name].tensor
+        result[tensor] = trim(tensor, value, valid) if valid is not None else value
+    return result
+
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 # ---- judging --------------------------------------------------------------------------------------
 
-def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec) -> dict:
-    """One output of one stage against the reference: durations exactly, noise-dependent tensors
-    of a stage that draws its own noise by their difference only (the band judges the audio),
-    everything else against the fp32 floor (harness.verdict.comparator)."""
+def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, ref: dict | None = None) -> dict:
+    """One output of one stage against the reference (`ref`: {"float32", "float64"} instead of the
+    plain one): durations exactly, noise-dependent tensors of a stage that draws its own noise by
+    their difference only (the band judges the audio), everything else against the fp32 floor
+    (harness.verdict.comparator)."""
     from ..metrics.tensor import compare_to_floor
     from ..verdict import comparator
 
-    ref32 = tensors.reference(name, traces, "float32")
+    ref32 = ref["float32"] if ref else tensors.reference(name, traces, "float32")
     if name == "pred_dur":
         n = min(len(value), len(ref32))
         diff = (value[:n] - ref32[:n]).abs()
@@ -510,7 +605,7 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec) 
                 else "shape")
         return {"ok": False, "why": f"shape {list(value.shape)} != reference {list(ref32.shape)}",
                 "kind": kind, "shape": list(value.shape)}
-    ref64 = tensors.reference(name, traces, "float64")
+    ref64 = ref["float64"] if ref else tensors.reference(name, traces, "float64")
     m = compare_to_floor(value, ref32, ref64)
     m["kind"] = difference_kind(value, ref64)
     t = tensors.VOCAB.get(name)
@@ -558,7 +653,7 @@ def difference_kind(out: torch.Tensor, ref: torch.Tensor) -> str:
     return f"noise-like (SNR {snr:.1f} dB)"
 
 
-def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, case) -> None:
+def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, case, local=None) -> None:
     """The verdict: every chained output of every stage, and the final audio (against the noise
     band when its stage draws its own noise, else against the floor), plus the durations."""
     from ..metrics.audio import audio_metrics, write_wav

@@ -15,12 +15,20 @@ The host glue between stages is the harness's own reference code, or a user call
 (`glue: package.module:function`, per port for a Kokoro tensor or per stage input) where the port's
 host code differs (another alignment rule, its own bucket choice).
 
+A stage may name a harness step instead of an artifact (`step: synthesizer`): the harness exports
+and compiles it for the item's backend. The `e2e` item is such a port (harness/data/ports/e2e.yaml):
+
+    - name: synthesizer
+      step: synthesizer                 # harness/steps.py; inputs and outputs are its own names
+      buckets: {tokens: case, frames: [120, 200, 400, 1200, 1600]}   # static mode only; `case`: the case's
+
 The whole-model file (`--artifact e2e=PATH`) is a one-stage port built by `guess_port`;
 `--artifact STEP=PATH` a one-stage port whose boundaries are a step's.
 """
 from __future__ import annotations
 
 import importlib
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -71,8 +79,11 @@ def _ref(v):
 class StageSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
-    artifact: str
-    buckets: list[int] | None = None  # with `{frames}` (or `{tokens}`) in `artifact`
+    artifact: str | None = None  # a prebuilt file (relative to the port file) ...
+    step: str | None = None  # ... or a harness step (harness/steps.py) exported and compiled for the item's backend
+    # [sizes] with `{frames}` (or `{tokens}`) in `artifact`, or per unit: {tokens: case, frames: [...]}
+    # (`case`: the case file's own bucket); a `step:` stage is bucketed in static mode only
+    buckets: list[int] | dict[str, list[int] | Literal["case"]] | None = None
     precision: Literal["float32", "float16", "int8"] = "float32"
     noise: Literal["own", "inputs", "none"] = "own"
     inputs: dict[str, TensorRef]
@@ -85,31 +96,51 @@ class StageSpec(BaseModel):
 
     @property
     def bucket_unit(self) -> str | None:
-        """`tokens` when the file name holds `{tokens}`, else `frames` (for a bucketed stage)."""
+        """`tokens` when the file name holds `{tokens}`, else `frames` (for a bucketed stage); with
+        buckets per unit, the first unit."""
         if not self.buckets:
             return None
-        return "tokens" if "{tokens}" in self.artifact else "frames"
+        if isinstance(self.buckets, dict):
+            return next(iter(self.buckets))
+        return "tokens" if "{tokens}" in (self.artifact or "") else "frames"
+
+    @property
+    def bucket_units(self) -> dict[str, list[int] | str]:
+        """unit -> its sizes (or `case`): the list form's one unit, or the per-unit mapping."""
+        if not self.buckets:
+            return {}
+        return dict(self.buckets) if isinstance(self.buckets, dict) else {self.bucket_unit: list(self.buckets)}
 
     def files(self, root: Path) -> list[Path]:
+        if self.artifact is None:
+            return []
         if self.buckets:
-            return [root / self.artifact.format(frames=b, tokens=b) for b in self.buckets]
+            units = {u: s for u, s in self.bucket_units.items() if s != "case"}
+            return [root / self.artifact.format(**dict(zip(units, sizes)), **{u: 0 for u in BUCKET_UNITS
+                                                                               if u not in units})
+                    for sizes in itertools.product(*units.values())]
         return [root / self.artifact]
 
-    def bucket_for(self, size: int) -> int:
-        """The smallest bucket that holds `size` (in the bucket's unit)."""
-        fits = [b for b in sorted(self.buckets or ()) if b >= size]
+    def bucket_for(self, size: int, unit: str | None = None) -> int:
+        """The smallest bucket that holds `size` (in `unit`, by default the bucket's unit)."""
+        unit = unit or self.bucket_unit
+        sizes = self.bucket_units.get(unit) or ()
+        fits = [b for b in sorted(sizes) if b >= size]
         if not fits:
-            raise PortError(f"stage {self.name!r}, field 'buckets': {size} {self.bucket_unit} exceed the largest "
-                            f"bucket {max(self.buckets)}")
+            raise PortError(f"stage {self.name!r}, field 'buckets': {size} {unit} exceed the largest "
+                            f"bucket {max(sizes) if sizes else '(none)'}")
         return fits[0]
 
-    def file_for(self, root: Path, bucket: int | None = None) -> Path:
-        """The artifact of `bucket` (a size from `bucket_for`), or the stage's one file."""
+    def file_for(self, root: Path, bucket: int | dict[str, int] | None = None) -> Path:
+        """The artifact of `bucket` (a size from `bucket_for`, or {unit: size}), or the stage's one file."""
+        if self.artifact is None:
+            raise PortError(f"stage {self.name!r}, field 'artifact': the stage runs the harness step {self.step!r}")
         if not self.buckets:
             return root / self.artifact
         if bucket is None:
             raise PortError(f"stage {self.name!r}, field 'buckets': a bucketed stage runs one bucket at a time")
-        return root / self.artifact.format(frames=bucket, tokens=bucket)
+        sizes = bucket if isinstance(bucket, dict) else {self.bucket_unit: bucket}
+        return root / self.artifact.format(**{u: sizes.get(u, 0) for u in BUCKET_UNITS})
 
 
 class PortSpec(BaseModel):
@@ -195,7 +226,8 @@ def load_port(path: str | Path, describe_artifacts: bool = True) -> Port:
             stage = stages[loc[1]].get("name", f"#{loc[1]}") if loc[1] < len(stages) and isinstance(
                 stages[loc[1]], dict) else f"#{loc[1]}"
             loc = loc[2:]
-        field = ".".join(str(x) for x in loc if x != "tensor") or "(top)"
+        # pydantic's union tags (`list[int]`) are not fields of the file
+        field = ".".join(str(x) for x in loc if x != "tensor" and "[" not in str(x)) or "(top)"
         raise PortError(f"{_where(str(path), stage, field)}: {err['msg']}") from None
     port = Port(spec, path.parent, str(path))
     validate(port, describe_artifacts)
@@ -217,6 +249,7 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
         _check_glue(port, None, f"glue.{name}", spec)
     available |= set(port.spec.glue)  # the user's host glue computes them
     for stage in port.stages:
+        _check_source(port, stage)
         for side, refs in (("inputs", stage.inputs), ("outputs", stage.outputs)):
             for io_name, ref in refs.items():
                 why = tensors.unknown_module(ref.tensor) if tensors.MODULE_REF.match(ref.tensor) else None
@@ -237,8 +270,39 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
                                 f"neither given by the case nor produced by an earlier stage or the host glue "
                                 f"(the chain does not connect)")
         available |= {r.tensor for r in stage.outputs.values()}
-        if describe_artifacts:
+        if describe_artifacts and stage.artifact is not None:
             check_declared(port, stage)
+
+
+def _check_source(port: Port, stage: StageSpec) -> None:
+    """`artifact:` or `step:`, not both; a step's inputs and outputs are exactly its own names,
+    mapped to Kokoro tensors in Kokoro's own dtypes (the harness exports it)."""
+    from ..steps import STAGES, STEPS, get_step
+
+    if (stage.artifact is None) == (stage.step is None):
+        raise PortError(f"{_where(port.source, stage.name, 'artifact')}: give either `artifact:` (a prebuilt "
+                        f"file) or `step:` (a harness step), not " + ("both" if stage.artifact else "neither"))
+    if stage.step is None:
+        return
+    try:
+        step = get_step(stage.step)
+    except KeyError:
+        raise PortError(f"{_where(port.source, stage.name, 'step')}: unknown harness step {stage.step!r}; steps: "
+                        f"{', '.join(s.name for s in (*STEPS, *STAGES))}") from None
+    for side, refs, names in (("inputs", stage.inputs, step.input_names), ("outputs", stage.outputs,
+                                                                             step.output_names)):
+        if set(refs) != set(names):
+            extra, missing = sorted(set(refs) - set(names)), [n for n in names if n not in refs]
+            raise PortError(f"{_where(port.source, stage.name, side)}: step {step.name!r} has {side} "
+                            f"{', '.join(names)}" + (f"; not its {side}: {', '.join(extra)}" if extra else "")
+                            + (f"; unmapped: {', '.join(missing)}" if missing else ""))
+        for io_name, ref in refs.items():
+            if ref.dtype is not None:
+                raise PortError(f"{_where(port.source, stage.name, f'{side}.{io_name}.dtype')}: a harness step "
+                                f"takes and gives Kokoro's own dtypes")
+    if stage.buckets is not None and not isinstance(stage.buckets, dict):
+        raise PortError(f"{_where(port.source, stage.name, 'buckets')}: a step stage names the unit of its "
+                        f"buckets, e.g. `{{frames: [120, 200]}}` or `{{tokens: case}}`")
 
 
 def _check_glue(port: Port, stage: str | None, field: str, spec: str) -> None:
@@ -252,25 +316,36 @@ def _check_buckets(port: Port, stage: StageSpec) -> None:
     """`buckets:` with `{frames}` or `{tokens}` in the file name, and an input whose axes give the
     length a bucket is chosen by; every input and output padded or trimmed must have known axes."""
     where = _where(port.source, stage.name, "buckets")
-    marked = "{frames}" in stage.artifact or "{tokens}" in stage.artifact
+    artifact = stage.artifact or ""
+    marked = "{frames}" in artifact or "{tokens}" in artifact
     if not stage.buckets:
         if marked:
             raise PortError(f"{_where(port.source, stage.name, 'artifact')}: {stage.artifact!r} names a bucket "
                             f"but the stage has no `buckets:`")
         return
-    if not marked:
+    if stage.artifact is not None and not marked:
         raise PortError(f"{where}: the artifact {stage.artifact!r} has no `{{frames}}` or `{{tokens}}` in its name")
-    if min(stage.buckets) < 1:
-        raise PortError(f"{where}: bucket sizes must be positive, got {stage.buckets}")
-    units = BUCKET_UNITS[stage.bucket_unit]
+    for unit, sizes in stage.bucket_units.items():
+        if unit not in BUCKET_UNITS:
+            raise PortError(f"{where}: unknown bucket unit {unit!r}; units: {', '.join(BUCKET_UNITS)}")
+        if sizes == "case":
+            if stage.artifact is not None:
+                raise PortError(f"{where}: `{unit}: case` is for a `step:` stage; an artifact lists the sizes it "
+                                f"was compiled for")
+        elif not sizes or min(sizes) < 1:
+            raise PortError(f"{where}: bucket sizes must be positive, got {sizes}")
+        if stage.artifact is not None and f"{{{unit}}}" not in artifact:
+            raise PortError(f"{where}: the artifact {stage.artifact!r} has no `{{{unit}}}` in its name")
     for side, refs in (("inputs", stage.inputs), ("outputs", stage.outputs)):
         for io_name, ref in refs.items():
             if tensors.MODULE_REF.match(ref.tensor):
                 raise PortError(f"{where}: {side[:-1]} {io_name!r} is the module reference {ref.tensor!r}, whose "
                                 f"axes the harness does not know: a bucketed stage's inputs and outputs must be "
                                 f"vocabulary tensors (padding and trimming go by their axes)")
-    if not any(u in units for ref in stage.inputs.values() for u in tensors.VOCAB[ref.tensor].axes.values()):
-        raise PortError(f"{where}: no input of the stage has a {stage.bucket_unit} axis to choose the bucket by")
+    for unit in stage.bucket_units:
+        if not any(u in BUCKET_UNITS[unit] for ref in stage.inputs.values()
+                   for u in tensors.VOCAB[ref.tensor].axes.values()):
+            raise PortError(f"{where}: no input of the stage has a {unit} axis to choose the bucket by")
 
 
 def _producible(name: str, available: set[str], depth: int = 0) -> bool:

@@ -184,6 +184,48 @@ def test_buckets_are_validated(tmp_path):
             load_port(_write(tmp_path, text))
 
 
+def test_step_stages_are_validated(tmp_path):
+    """A stage names a harness step or an artifact, never both; a step's inputs and outputs are its
+    own names; its buckets name their unit; `case` buckets are a step's (an artifact lists sizes)."""
+    transform(tmp_path / "a_5.onnx", "x", "y", [1, 512, 5])
+    ok = ("name: p\nstages:\n  - name: s1\n    step: decoder\n    noise: inputs\n"
+          "    inputs: {asr: asr, F0_pred: F0_pred, N_pred: N_pred, s_dec: s_dec, rand_ini: rand_ini,\n"
+          "             sine_noise: sine_noise, source_noise: source_noise}\n    outputs: {audio: audio}\n")
+    stage = load_port(_write(tmp_path, ok)).stages[0]
+    assert (stage.step, stage.artifact, stage.files(tmp_path)) == ("decoder", None, [])
+    bucketed = load_port(_write(tmp_path, ok.replace("noise: inputs", "noise: inputs\n    buckets: {frames: [9, 5]}")))
+    assert bucketed.stages[0].bucket_units == {"frames": [9, 5]} and bucketed.stages[0].bucket_for(6, "frames") == 9
+    cases = {
+        r"stage 's1', field 'artifact': give either `artifact:` .* not both":
+            ok.replace("step: decoder", "step: decoder\n    artifact: a_5.onnx"),
+        r"stage 's1', field 'artifact': give either .* not neither": ok.replace("    step: decoder\n", ""),
+        r"stage 's1', field 'step': unknown harness step 'decodr'; steps: bert, .*synthesizer":
+            ok.replace("step: decoder", "step: decodr"),
+        r"stage 's1', field 'inputs': step 'decoder' has inputs asr, .*; unmapped: N_pred":
+            ok.replace(" N_pred: N_pred,", ""),
+        r"stage 's1', field 'outputs': step 'decoder' has outputs audio; not its outputs: wav":
+            ok.replace("{audio: audio}", "{wav: audio}"),
+        r"stage 's1', field 'outputs.audio.dtype': a harness step takes and gives Kokoro's own dtypes":
+            ok.replace("{audio: audio}", "{audio: {tensor: audio, dtype: int16}}"),
+        r"stage 's1', field 'buckets': a step stage names the unit of its buckets":
+            ok.replace("noise: inputs", "noise: inputs\n    buckets: [5]"),
+        r"stage 's1', field 'buckets': unknown bucket unit 'seconds'":
+            ok.replace("noise: inputs", "noise: inputs\n    buckets: {seconds: [5]}"),
+        r"stage 's1', field 'buckets': no input of the stage has a tokens axis":
+            ok.replace("noise: inputs", "noise: inputs\n    buckets: {tokens: case}"),
+    }
+    for pattern, text in cases.items():
+        with pytest.raises(PortError, match=pattern) as e:
+            load_port(_write(tmp_path, text))
+        assert str(e.value).startswith(f"port {tmp_path / 'port.yaml'}"), e.value
+    art = "name: p\nstages:\n  - {name: s1, artifact: 'a_{frames}.onnx', buckets: %s, inputs: {x: asr}, outputs: {y: asr}}\n"
+    assert load_port(_write(tmp_path, art % "{frames: [5]}")).stages[0].file_for(tmp_path, {"frames": 5}).name == "a_5.onnx"
+    with pytest.raises(PortError, match=r"field 'buckets': `frames: case` is for a `step:` stage"):
+        load_port(_write(tmp_path, art % "{frames: case}"))
+    with pytest.raises(PortError, match=r"field 'buckets': the artifact 'a_\{frames\}.onnx' has no `\{tokens\}`"):
+        load_port(_write(tmp_path, art % "{frames: [5], tokens: [4]}"))
+
+
 def test_whole_model_mapping_and_its_errors(tmp_path):
     audio = np.zeros(600, np.float32)
     port = whole_model_port(whole(tmp_path / "m.onnx", audio))
