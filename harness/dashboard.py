@@ -164,7 +164,8 @@ def stage_table(rec: dict[str, Any]) -> dict[str, Any] | None:
                             "chained_ok": chained.get("ok", True) if chained else None,
                             "kind": _kind(local) or _kind(chained),
                             "chained_kind": _kind(chained) if _kind(chained) != _kind(local) else ""})
-        rows.append({"index": i, "stage": str(stage.get("stage", f"#{i}")), "artifact": stage.get("artifact") or "",
+        made_by = stage.get("artifact") or (f"step:{stage['step']}" if stage.get("step") else "")  # e2e: harness steps
+        rows.append({"index": i, "stage": str(stage.get("stage", f"#{i}")), "artifact": made_by,
                      "precision": stage.get("precision") or "", "bucket": bucket, "local_ok": bool(local_ok),
                      "chained_ok": stage.get("chained_ok", all(t["chained_ok"] is not False for t in tensors)),
                      "tensors": tensors or [{"tensor": "–", "local": {}, "chained": {}, "local_ok": None,

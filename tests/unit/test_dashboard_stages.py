@@ -127,3 +127,21 @@ def test_the_terminal_stage_table_marks_the_first_leaving_stage_and_the_buckets(
     assert vocoder.startswith("vocoder [256]") and "LEAVES (first)" in vocoder
     tail = next(line for line in lines if line.startswith("tail "))
     assert "LEAVES" in tail and "(first)" not in tail
+
+
+def test_a_port_audit_with_lists_renders_and_a_step_stage_names_its_step(tmp_path):
+    """A port item's audit holds the port (a mapping with a list of stages): the op-audit section
+    sorts a mapping by value only when every value is a count. An e2e stage names its harness step."""
+    def edit(recs):
+        rec = _port_record(recs[0])
+        rec["audit"] = {"port": {"name": "kokoro-7stage", "source": "port.yaml", "stages": [{"name": "vocoder"}]},
+                        "ops": {"aten.conv1d": 3, "aten.add": 5}}
+        rec["stages"][0] = {**rec["stages"][0], "artifact": None, "step": "duration_stage"}
+        recs.append(rec)
+
+    site, recs = _site(tmp_path, edit)
+    page = _page(site, recs[-1])
+    assert "<code>name</code>" in page and "kokoro-7stage" in page
+    ops = re.search(r"<h4>ops</h4>\s*<div class=\"ops\">(.*?)</div>", page, re.S).group(1)
+    assert ops.index("aten.add") < ops.index("aten.conv1d")  # counts: the largest first
+    assert "step:duration_stage" in _rows(page)[0]
