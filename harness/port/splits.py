@@ -2,7 +2,7 @@
 alignment on the host | prosody | decoder) and the 7-stage one (Albert | PostAlbert | Alignment |
 Prosody | Noise | Vocoder up to `conv_post` | Tail), each stage a small torch module around the
 model's own submodules, exported to ONNX with its port file (examples/kokoro-3stage,
-examples/kokoro-7stage).
+examples/kokoro-7stage), or converted to Core ML (harness/port/coreml_splits.py).
 
 Kokoro's TorchSTFT calls torch.stft/istft, which have no ONNX form; kokoro's own CustomSTFT
 replicates instead of reflecting and approximates the inverse (it moves the audio by 47-50 %). `ExactSTFT` is torch.stft/istft (center, reflect, Hann, onesided) written with
@@ -417,20 +417,21 @@ def _is_float_input(name: str) -> bool:
     return t is None or t.dtype.startswith("float")  # module references are float activations
 
 
-def defect_module(stage: StageDef, model, km: nn.Module, defect: DefectSpec | None) -> nn.Module:
-    """The stage's module, with `defect` when it is this stage's. `km` is the model with the export
-    patches; the dropout and weight_norm defects take their own copy of it."""
+def defect_module(stage: StageDef, model, km: nn.Module, defect: DefectSpec | None,
+                  patches: tuple[str, ...] = EXPORT_PATCHES) -> nn.Module:
+    """The stage's module, with `defect` when it is this stage's. `km` is the model with `patches`
+    (the export's); the dropout and weight_norm defects take their own copy of it."""
     from ..patches import apply_patches
 
     ours = defect is not None and defect.stage == stage.name
     kind = defect.kind if ours else None
     if kind == "dropout":
-        km = apply_patches(model.kmodel, tuple(p for p in EXPORT_PATCHES if p != "dropout_identity"))
+        km = apply_patches(model.kmodel, tuple(p for p in patches if p != "dropout_identity"))
         for name in active_dropouts(km, stage.module.kokoro_modules):
             parent, _, child = name.rpartition(".")
             setattr(km.get_submodule(parent), child, ActiveDropout(km.get_submodule(name).p))
     elif kind == "weight_norm":
-        km = apply_patches(model.kmodel, EXPORT_PATCHES)
+        km = apply_patches(model.kmodel, patches)
         unnormalize_weight_norm(km, model.kmodel, stage.module.kokoro_modules)
     module = stage.module(km, raw_atan2=kind == "atan2").eval()
     if kind == "gain":
@@ -519,14 +520,26 @@ def _declared_inputs(path: Path) -> set[str]:
 
 
 def main(split: str, out: Path, argv=None) -> None:
-    """The examples' command line: `export.py --case ja [--weights W] [--out DIR] [--defect S=gain:1.1]`."""
+    """The examples' command line: `export.py --case ja [--weights W] [--out DIR] [--defect S=gain:1.1]
+    [--format coreml [--precision STAGE=float16] [--no-workaround NAME]]`. Exits 1 when coremltools
+    cannot convert a stage (harness/port/coreml_splits.py)."""
     import argparse
 
-    p = argparse.ArgumentParser(description=f"Export Kokoro's {split} split to ONNX and write its port file.")
+    p = argparse.ArgumentParser(description=f"Export Kokoro's {split} split to ONNX (or convert it to Core ML) "
+                                            f"and write its port file.")
     p.add_argument("--case", required=True)
     p.add_argument("--weights", default=None, help="default: the default model (see README)")
     p.add_argument("--out", type=Path, default=out, help=f"default: {out}")
     p.add_argument("--defect", default=None, help=f"{DEFECT_KINDS}: export one stage with a known defect")
+    p.add_argument("--format", choices=("onnx", "coreml"), default="onnx",
+                   help="onnx: <stage>.onnx and port.yaml; coreml: <stage>.mlpackage (coremltools mlprogram, "
+                        "the case's exact shapes) and port-coreml.yaml")
+    p.add_argument("--precision", action="append", metavar="STAGE=float32|float16",
+                   help="Core ML compute precision of a stage (repeatable); default: the public port's "
+                        "(harness/port/coreml_splits.py PUBLIC_PRECISIONS), else float32")
+    p.add_argument("--no-workaround", action="append", metavar="NAME",
+                   help="Core ML: leave out one of the coreml backends' graph fixes (docs/workarounds.md), so "
+                        "that the converter's gap it closes shows (repeatable; `all`)")
     args = p.parse_args(argv)
 
     from ..reference import module_captures
@@ -534,10 +547,27 @@ def main(split: str, out: Path, argv=None) -> None:
 
     try:
         defect = parse_defect(args.defect, split)
+        if (args.precision or args.no_workaround) and args.format != "coreml":
+            raise ValueError("--precision, --no-workaround: only with --format coreml")
+        if args.format == "coreml":
+            from .coreml_splits import parse_precisions, workarounds_off
+
+            precisions = parse_precisions(args.precision, split)
+            disabled = set(args.no_workaround) if args.no_workaround else None
+            workarounds_off(disabled)  # an unknown name: a usage error before any work
     except ValueError as e:
         p.error(str(e))
     session = Session(weights=args.weights, case_ids=[args.case])
     traces = session.traces(args.case)
     module_captures(session.model, session.cases[args.case], traces, (HAR, CONV_POST))
-    port = export_split(split, session.model, traces, args.out, defect)
+    if args.format == "coreml":
+        from .coreml_splits import convert_split
+
+        port, results = convert_split(split, session.model, traces, args.out, precisions, defect,
+                                      disabled=disabled)
+        if port is None:
+            raise SystemExit(f"coremltools could not convert {sum(not r.ok for r in results)} stage(s) of {split} "
+                             f"(above); no port file written")
+    else:
+        port = export_split(split, session.model, traces, args.out, defect)
     print(f"wrote {port}: pytest --port {port} --case {args.case}")
