@@ -129,5 +129,8 @@ class Fp16Backend(Backend):
                           "fp16_first_nonfinite": fp16["first_nonfinite"],
                           "activations_by_module": rows[:TOP]}
         if keep:
+            from ..precision.islands import not_in_program
+
             self.run_audit["keep_fp32"] = keep
+            self.run_audit["keep_fp32_not_in_program"] = not_in_program(program.graph, keep)
         return [o.float() for o in outputs]

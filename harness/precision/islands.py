@@ -113,21 +113,29 @@ def op_selector_for(exported_program, keep: list[str]):
     return op_selector, len(kept)
 
 
+def not_in_program(graph, keep: list[str]) -> list[str]:
+    """The kept modules with no node in an exported program's graph (another program's modules, or
+    a module a patch makes): the backends list them in their run audit."""
+    paths = {node_module_path(n) for n in graph.nodes if n.op == "call_function"}
+    return sorted(k for k in keep if not any(under(p, [k]) for p in paths))
+
+
 def keep_float32_graph(gm16, gm32, keep: list[str]):
     """The fp16 backend's graph (`gm16`, all float16) with the nodes inside `keep` (`island_nodes`)
     computing in float32: their float inputs cast up (their weights taken from the float32 `gm32`),
     the dtypes they hard-code restored, and their float outputs cast down where a float16 node reads
     them. The graph takes its float inputs in **float32** (as a Core ML model with float32 inputs
     does): an island reads them as they are, float16 nodes through a cast. A kept module with no
-    node in the graph is a ValueError (a module that a patch makes needs the program exported with it)."""
+    node in the graph is skipped (an e2e keep-list names modules of both its programs), except one
+    that a patch makes: a ValueError, the program must be exported with the patch."""
     import torch.fx
 
     island = island_nodes(gm16.graph, keep)
-    found = {k for n in island for k in keep if under(node_module_path(n), [k])}
-    if set(keep) - found:
-        raise ValueError(f"keep-list: no node of {', '.join(sorted(set(keep) - found))} in the program; a module "
-                         f"made by a patch needs the program exported with it (--with-patch "
-                         f"{' --with-patch '.join(ISLAND_PATCHES)})")
+    absent = not_in_program(gm16.graph, keep)
+    made = sorted(k for k in absent if any(under(k, mods) for mods in ISLAND_MODULES.values()))
+    if made:
+        raise ValueError(f"keep-list: no node of {', '.join(made)} in the program; a module made by a patch "
+                         f"needs the program exported with it (--with-patch {' --with-patch '.join(ISLAND_PATCHES)})")
 
     def kept_node(n) -> bool:
         return n in island

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from harness.precision.float16 import Float16Mode, Mixed
-from harness.precision.islands import keep_float32_graph, keep_tag, patches_for, read_keep_list
+from harness.precision.islands import keep_float32_graph, keep_tag, not_in_program, patches_for, read_keep_list
 from harness.precision.search import Target, candidates, evaluate, module_audit, search, write_keep_list
 from harness.steps import Step, Tensor
 from harness.verdict import Tolerance, Verdict, judge_outputs, shippable
@@ -347,8 +347,13 @@ def test_the_fp16_backend_island_reads_the_input_through_the_view_in_float32():
         mixed = keep_float32_graph(_to_dtype(program.module(), torch.float16), full, ["phase", "gain"])
         out = mixed(f).float()
         assert float((out - exact).abs().max()) < 1e-6
-        with pytest.raises(ValueError, match="no node of nope.*--with-patch stft_islands"):
-            keep_float32_graph(_to_dtype(program.module(), torch.float16), full, ["phase", "nope"])
+        # a module of another program (an e2e keep-list names both programs' modules): skipped, listed
+        assert not_in_program(program.graph, ["phase", "nope"]) == ["nope"]
+        skipped = keep_float32_graph(_to_dtype(program.module(), torch.float16), full, ["phase", "gain", "nope"])
+        assert torch.allclose(skipped(f).float(), out)
+        with pytest.raises(ValueError, match="no node of decoder.generator.stft.analysis.*--with-patch stft_islands"):
+            keep_float32_graph(_to_dtype(program.module(), torch.float16), full,
+                               ["phase", "decoder.generator.stft.analysis"])
 
 
 @pytest.fixture(scope="module")
