@@ -21,7 +21,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from .executorch import XnnpackBackend
+from .executorch import EXECUTORCH_PATCHES, XnnpackBackend
 from .tvm import TvmBackend
 
 
@@ -47,7 +47,7 @@ class EtCoreMLBackend(XnnpackBackend):
     name = "et-coreml"
     requires = ("executorch", "coremltools")
     # coremltools converts the delegated partitions: the graph fixes the coreml-* backends need
-    patches = XnnpackBackend.patches + ("stft_phase_where", "rsqrt_float_const")
+    patches = EXECUTORCH_PATCHES + ("stft_phase_where", "rsqrt_float_const")  # no scan_lstm: unmeasured here
     run_requires = ("executorch",)
     description = "ExecuTorch with the Core ML delegate (lowers anywhere, runs on macOS)"
     workarounds = {}
@@ -82,6 +82,7 @@ class EtMpsBackend(XnnpackBackend):
     requires = ("executorch",)
     compile_where = "target"
     description = "ExecuTorch with the MPS delegate (lowers and runs on macOS)"
+    patches = EXECUTORCH_PATCHES  # no scan_lstm: unmeasured here
     workarounds = {}
     repro_partitioner = dict(partitioner_name="MPSPartitioner", partitioners="[MPSPartitioner([])]",
                              partitioner_import="    from executorch.backends.apple.mps.partition import MPSPartitioner")

@@ -6,11 +6,10 @@ tagged there, and its emitter runs such a delegate inside the loop it emits for 
 stock partitioner the LSTM cell of LengthAwareLSTM(impl="scan") runs on portable kernels, one
 bmm/sigmoid/tanh/mul/add after another at every step; this partitioner tags the cell's nodes with
 XNNPACK's own op configs, and each step is one delegate call. On a graph without control flow it
-tags exactly what XnnpackPartitioner tags.
+tags exactly what XnnpackPartitioner tags. The `xnnpack` backend lowers with it (workaround
+`control_flow_partitioner`; `--no-workaround control_flow_partitioner` for the stock one).
 """
 from __future__ import annotations
-
-from typing import Iterator
 
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -35,8 +34,9 @@ class _BodyView:
         return getattr(self._program, name)
 
 
-def control_flow_bodies(gm: torch.fx.GraphModule) -> Iterator[torch.fx.GraphModule]:
-    """Every body of a scan, cond or map in `gm`, nested ones included."""
+def control_flow_bodies(gm: torch.fx.GraphModule):
+    """Every body of a scan, cond or map in `gm`, nested ones included (a generator of GraphModules;
+    no typing import: repro.py inlines this source, harness.backends.executorch)."""
     for _, body, _ in get_control_flow_submodules(gm):
         yield body
         yield from control_flow_bodies(body)

@@ -1,6 +1,7 @@
-"""`xnnpack`: torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte -> the
-ExecuTorch runtime. The audit records what ExecuTorch's own delegation info says stayed outside
-the delegate: those ops run on portable kernels and are the usual cause of slow runs."""
+"""`xnnpack`: torch.export -> to_edge_transform_and_lower(XnnpackControlFlowPartitioner) -> .pte ->
+the ExecuTorch runtime. The audit records what ExecuTorch's own delegation info says stayed outside
+the delegate (control-flow bodies included): those ops run on portable kernels and are the usual
+cause of slow runs."""
 from __future__ import annotations
 
 from collections import Counter
@@ -35,25 +36,74 @@ REPRO_RUNNER = '''def run_backend(program, inputs):
 '''
 
 
+UNROLLED_LSTM = Workaround(
+    "unrolled_lstm", "ExecuTorch's decomposition of aten.lstm cuts the XNNPACK partition at every time step "
+    "(T + 2 delegate subgraphs per LSTM): slow lowering, large peak memory", "executorch 1.5.1",
+    "docs/upstream/executorch-xnnpack-lstm-cut/", patch="unrolled_lstm", kind="performance")
+SCAN_LSTM = Workaround(
+    "scan_lstm", "ExecuTorch has no LSTM that stays one op: to_edge decomposes aten.lstm per time step, as "
+    "unrolled_lstm writes it, so the graph, its lowering time and its lowering memory grow with the bucket "
+    "(f0n static: 8.6 GB at 384 frames)", "executorch 1.5.1",
+    "no bundle yet (docs/performance.md, LSTM cost against T)", patch="scan_lstm", kind="performance")
+CONTROL_FLOW_PARTITIONER = Workaround(
+    "control_flow_partitioner", "XnnpackPartitioner tags the top-level graph only: the body of a scan "
+    "(scan_lstm's LSTM cell) stays on portable kernels, op by op at every step", "executorch 1.5.1",
+    "no bundle yet (docs/performance.md, What fails where)", kind="performance")
+# What every ExecuTorch backend's program needs. unrolled_lstm: ExecuTorch's decomposition of
+# aten.lstm cuts the XNNPACK partition at every time step (T + 3 delegate subgraphs); the cell
+# written with ops XNNPACK takes gives 3 per LSTM. The en_short duration encoder: 17 subgraphs
+# instead of 206, 3.1x less compile CPU, 1 GB less peak (README finding 6).
+EXECUTORCH_PATCHES = Backend.patches + ("unrolled_lstm",)
+
+
+CONTROL_FLOW_IMPORTS = """from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
+    generate_grouped_partitions_from_list_of_nodes,
+)
+from executorch.exir.backend.partitioner import PartitionResult
+from executorch.exir.graph_module import get_control_flow_submodules
+
+
+"""  # repro.py's copy of harness/backends/control_flow.py (torch is imported there already)
+
+
 class XnnpackBackend(Backend):
     name = "xnnpack"
     requires = ("executorch",)
-    # unrolled_lstm: ExecuTorch's decomposition of aten.lstm cuts the XNNPACK partition at every time
-    # step (T + 3 delegate subgraphs); the cell written with ops XNNPACK takes gives 3 per LSTM. The
-    # en_short duration encoder: 17 subgraphs instead of 206, 3.1x less compile CPU, 1 GB less peak
-    # (README finding 6). The portable backend inherits it, so both run the same program.
-    patches = Backend.patches + ("unrolled_lstm",)
-    workarounds = {"unrolled_lstm": Workaround(
-        "unrolled_lstm", "ExecuTorch's decomposition of aten.lstm cuts the XNNPACK partition at every time step "
-        "(T + 2 delegate subgraphs per LSTM): slow lowering, large peak memory", "executorch 1.5.1",
-        "docs/upstream/executorch-xnnpack-lstm-cut/", patch="unrolled_lstm", kind="performance")}
+    # scan_lstm (registered after unrolled_lstm, so it wins): the same cell once, as a scan body, so
+    # lowering stays flat in T (en_long's f0n: 1.7 GB instead of ~35 GB); the control-flow
+    # partitioner puts that body in the delegate (docs/performance.md, LSTM cost against T). The
+    # portable backend inherits both patches, so both run the same program.
+    patches = EXECUTORCH_PATCHES + ("scan_lstm",)
+    workarounds = {w.name: w for w in (UNROLLED_LSTM, SCAN_LSTM, CONTROL_FLOW_PARTITIONER)}
     artifact_name = "program.pte"
     description = "ExecuTorch with the XNNPACK delegate"
+
+    def disabled_workarounds(self) -> set[str]:
+        """scan_lstm loops over unrolled_lstm's cell: with unrolled_lstm off (aten.lstm, the defect
+        it hides), scan_lstm goes too."""
+        off = super().disabled_workarounds()
+        return off | ({"scan_lstm"} & set(self.workarounds)) if "unrolled_lstm" in off else off
+
+    def _control_flow_partitioner(self) -> bool:
+        """Whether this backend lowers with XnnpackControlFlowPartitioner (subclasses with their own
+        partitioners do not)."""
+        return (type(self).partitioners is XnnpackBackend.partitioners
+                and "control_flow_partitioner" not in self.disabled_workarounds())
 
     def partitioners(self) -> list:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
+        if self._control_flow_partitioner():
+            from .control_flow import XnnpackControlFlowPartitioner
+
+            return [XnnpackControlFlowPartitioner()]
         return [XnnpackPartitioner()]
+
+    def version(self) -> str:
+        """The partitioner is part of the artifact key: an artifact lowered by the stock partitioner
+        (a scan body on portable kernels) is not this one."""
+        return super().version() + (";partitioner=control_flow" if self._control_flow_partitioner() else "")
 
     # repro.py's runner: the same lowering as `compile`, in ExecuTorch's own API only
     repro_partitioner = dict(partitioner_name="XnnpackPartitioner", partitioners="[XnnpackPartitioner()]",
@@ -61,7 +111,17 @@ class XnnpackBackend(Backend):
                                                 "import XnnpackPartitioner")
 
     def repro_source(self) -> str:
-        return REPRO_RUNNER.format(**self.repro_partitioner)
+        if not self._control_flow_partitioner():
+            return REPRO_RUNNER.format(**self.repro_partitioner)
+        import inspect
+
+        from . import control_flow
+
+        helpers = CONTROL_FLOW_IMPORTS + "".join(inspect.getsource(f) + "\n\n" for f in (
+            control_flow._BodyView, control_flow.control_flow_bodies, control_flow.XnnpackControlFlowPartitioner))
+        return helpers + REPRO_RUNNER.format(
+            partitioner_name="XnnpackControlFlowPartitioner, above", partitioner_import="",
+            partitioners="[XnnpackControlFlowPartitioner()]")
 
     def audit(self, program_path: Path) -> dict:
         import torch
@@ -96,24 +156,40 @@ class PortableBackend(XnnpackBackend):
     description = "ExecuTorch without a delegate (portable kernels)"
 
     repro_partitioner = dict(partitioner_name="no delegate: portable kernels", partitioners="[]", partitioner_import="")
-    workarounds = {}  # unrolled_lstm is kept so that it runs xnnpack's program, not as a workaround
+    # unrolled_lstm is kept so that it runs xnnpack's program, not as a workaround; scan_lstm is one
+    # here too (portable's unrolled lowering grows with T as well: docs/performance.md)
+    workarounds = {"scan_lstm": SCAN_LSTM}
 
     def partitioners(self) -> list:
         return []
 
 
 def _delegation(edge) -> dict:
+    """ExecuTorch's delegation info of the lowered graph and, once each, of its control-flow bodies
+    (`get_delegation_info` reads one graph: a scan body's nodes, delegated or not, would be missing)."""
     try:
         from executorch.devtools.backend_debug import get_delegation_info
     except ImportError:
         return {}
-    info = get_delegation_info(edge.exported_program().graph_module)
-    delegated = info.num_delegated_nodes
-    total = delegated + info.num_non_delegated_nodes
-    outside = {}
-    for op, row in info.delegation_by_operator.items():
-        if row.non_delegated > 0:
-            outside[op] = row.non_delegated
-    return {"delegated_nodes": delegated, "non_delegated_nodes": info.num_non_delegated_nodes,
-            "delegate_coverage": delegated / total if total else 0.0,
-            "delegated_subgraphs": info.num_delegated_subgraphs, "ops_outside_delegate": outside}
+    from .control_flow import control_flow_bodies
+
+    top = edge.exported_program().graph_module
+    bodies = list(control_flow_bodies(top))
+    delegated = non_delegated = subgraphs = in_bodies = 0
+    outside: Counter = Counter()
+    for i, gm in enumerate([top, *bodies]):
+        info = get_delegation_info(gm)
+        delegated += info.num_delegated_nodes
+        non_delegated += info.num_non_delegated_nodes
+        subgraphs += info.num_delegated_subgraphs
+        in_bodies += info.num_delegated_subgraphs if i else 0
+        for op, row in info.delegation_by_operator.items():
+            if row.non_delegated > 0:
+                outside[op] += row.non_delegated
+    total = delegated + non_delegated
+    audit = {"delegated_nodes": delegated, "non_delegated_nodes": non_delegated,
+             "delegate_coverage": delegated / total if total else 0.0,
+             "delegated_subgraphs": subgraphs, "ops_outside_delegate": dict(outside)}
+    if bodies:
+        audit.update(control_flow_bodies=len(bodies), delegated_subgraphs_in_bodies=in_bodies)
+    return audit

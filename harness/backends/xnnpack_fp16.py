@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from .executorch import XnnpackBackend, _delegation
+from .executorch import EXECUTORCH_PATCHES, XnnpackBackend, _delegation
 
 
 def half_program(program):
@@ -39,6 +39,8 @@ def half_program(program):
 class XnnpackFp16Backend(XnnpackBackend):
     name = "xnnpack-fp16"
     precision = "float16"
+    patches = EXECUTORCH_PATCHES  # no scan_lstm: the float16 re-export of a scan is unmeasured
+    workarounds = {n: w for n, w in XnnpackBackend.workarounds.items() if n != "scan_lstm"}
     description = "ExecuTorch XNNPACK on the program cast to float16 (judged by the float16 floor)"
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
