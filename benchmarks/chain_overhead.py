@@ -9,7 +9,7 @@ a cache of its own, so that the harness's cache starts empty. Then, in this proc
   processes, judged stage by stage);
 - harness, warm: a new Session on the cache the cold run left (references cached) runs it again;
 - alone: a script that imports only numpy and onnxruntime runs the same artifacts on the very
-  inputs the warm item fed them (the item's `inputs.pt`, the same number of artifact runs: local
+  inputs the warm item fed them (the item's `inputs.npz`/`.pt`, the same number of artifact runs: local
   and chained), loading each ONNX and running it, as a porter's one-off script does; its first
   process (cold) and the median of `--repeat` more (warm), whole processes with Python's start;
   and once more with one such process per artifact run: the harness's isolation without its torch.
@@ -105,16 +105,20 @@ def alone_plan(tmp: Path, port: Path, warm: dict) -> Path:
     import numpy as np
     import torch
 
+    from harness.plumbing.files import load_arrays
     from harness.port.portfile import load_port
 
     runs = []
     spec = load_port(port)
     for stage in spec.stages:
         for role in ("local", "chained"):
-            saved = Path(warm["report_dir"]) / "runs" / warm["item"] / f"{stage.name}-{role}" / "inputs.pt"
-            if not saved.is_file():
+            run_dir = Path(warm["report_dir"]) / "runs" / warm["item"] / f"{stage.name}-{role}"
+            if (run_dir / "inputs.npz").is_file():  # an ONNX run's torch-free inputs (harness.backends.onnx_child)
+                arrays = load_arrays(run_dir / "inputs.npz")
+            elif (run_dir / "inputs.pt").is_file():
+                arrays = [t.numpy() for t in torch.load(run_dir / "inputs.pt", weights_only=True)]
+            else:
                 continue  # the first stage's chained run is its local one
-            arrays = [t.numpy() for t in torch.load(saved, weights_only=True)]
             npz = tmp / "alone" / f"{stage.name}-{role}.npz"
             npz.parent.mkdir(parents=True, exist_ok=True)
             np.savez(npz, *arrays)

@@ -451,3 +451,147 @@ def fitting_bucket(model, text: str, language: str, voice: str, speed: float = 1
         raise CaseError(f"{valid.tokens} tokens / {valid.frames} frames fit no standard bucket "
                         f"(at most {TOKEN_BUCKETS[-1]} tokens, {FRAME_BUCKETS[-1]} frames): split the text")
     return Bucket(tokens=tokens, frames=frames)
+
+
+# ---- a port stage's own reference: its outputs recomputed from its inputs (harness.port.chain) ----
+
+STAGE_REF_VERSION = 1  # bump when stage_reference's computation changes
+# the case's own inputs: a stage that does not declare one gets the reference's (padded like its inputs)
+CASE_INPUTS = ("input_ids", "attention_mask", "text_mask", "input_lengths", "s_pred", "s_dec", "speed",
+               "frame_lengths", *NOISE_INPUTS)
+STAGE_GLUE = {"en": ("d", "aln"), "asr": ("t_en", "aln")}  # host glue a stage may run inside itself
+
+
+class BoundaryError(ValueError):
+    """A stage's outputs cannot be recomputed from its inputs (e.g. it starts inside a module)."""
+
+
+def _stage_plan(have: set[str], wanted: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The reference computation from `have` to `wanted`: [("step", name) | ("glue", tensor)], in
+    order; a module reference is produced by the step that runs its module (hooks). Raises
+    BoundaryError naming what no computation from the inputs reaches."""
+    from .steps import STAGES
+
+    plan: list[tuple[str, str]] = []
+    done = set(have)
+
+    def reach(name: str, seen: frozenset) -> bool:
+        if name in done:
+            return True
+        if name in seen:
+            return False
+        seen = seen | {name}
+        if name in STAGE_GLUE:
+            if all(reach(d, seen) for d in STAGE_GLUE[name]):
+                plan.append(("glue", name))
+                done.add(name)
+                return True
+            return False
+        if ":" in name:
+            producers = [get_step(step_of_module(name.rsplit(":", 1)[0]) or "")] \
+                if step_of_module(name.rsplit(":", 1)[0]) else []
+        elif name == "gen_x":
+            producers = [get_step("decoder")]
+        else:
+            producers = [s for s in (*STEPS, *STAGES) if name in s.output_names]
+        for step in producers:
+            if all(reach(i, seen) for i in step.input_names):
+                if ("step", step.name) not in plan:
+                    plan.append(("step", step.name))
+                done.update(step.output_names)
+                done.add(name)
+                return True
+        return False
+
+    missing = [w for w in wanted if not reach(w, frozenset())]
+    if missing:
+        starts = sorted(n for n in have if ":" in n)
+        raise BoundaryError(f"{', '.join(missing)} cannot be recomputed from the stage's inputs"
+                            + (f" (it starts inside a module: {', '.join(starts)})" if starts else ""))
+    return plan
+
+
+def _digest(values: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(values):
+        t = values[k].detach().contiguous().cpu()
+        h.update(f"{k}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.numpy().tobytes() if t.dtype != torch.bool else t.to(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def stage_reference(model: LoadedModel, case: Case, inputs: dict[str, torch.Tensor], outputs: tuple[str, ...],
+                    mode: str = "dynamic", precisions: tuple[str, ...] = ("float32", "float64"),
+                    variant: tuple[str, ...] = ()) -> dict[str, dict[str, torch.Tensor]]:
+    """{precision: {output: value}}: a port stage's outputs recomputed by Kokoro's reference (the
+    harness steps and host glue, `_stage_plan`) from the stage's own float32 inputs, e.g. padded to
+    the bucket the stage ran (`mode="static"`: the static reference's patches) — the reference a
+    bucketed stage is judged against, since Kokoro is not padding-invariant. `float16`: eager float16
+    (harness.precision.float16.Mixed, emulated), its error against float64 the stage's float16
+    floor. One run per (case, inputs, precision), cached by content (the inputs' bytes in the key)."""
+    from .precision.float16 import FLOOR_VERSION, Float16Mode, Mixed
+
+    plan = _stage_plan(set(inputs), outputs)
+    key = content_key("stage", TRACE_VERSION, STAGE_REF_VERSION, FLOOR_VERSION, model.digest, case.digest,
+                      torch.__version__, mode, _digest(inputs), outputs, precisions, variant,
+                      graph_code_digest(tuple(variant)) if variant else "")
+
+    def build(tmp):
+        from . import progress
+
+        km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
+        out = {}
+        for precision in precisions:
+            km = to_float64(copy.deepcopy(km32)) if precision == "float64" else km32
+            values = cast(inputs, "float64" if precision == "float64" else "float32")
+            captured: dict[str, torch.Tensor] = {}
+            with progress.phase("references: a port stage", subject=f"{case.id} {mode} {precision}"), \
+                    torch.no_grad():
+                for kind, name in plan:
+                    if kind == "glue":
+                        a, b = (values[d] for d in STAGE_GLUE[name])
+                        if precision == "float16":
+                            with Float16Mode(torch.float16, True):
+                                values[name] = (a.transpose(-1, -2) if name == "en" else a) @ b
+                        else:
+                            values[name] = (a.transpose(-1, -2) if name == "en" else a) @ b
+                        continue
+                    step = get_step(name)
+                    run = step.module(km)
+                    if precision == "float16":
+                        mixed = Mixed(run, emulate=True)
+                        run, root = mixed, mixed.module.kmodel
+                    else:
+                        root = run.kmodel
+                    hooks = _capture_hooks(root, [o for o in outputs if ":" in o or o == "gen_x"], captured)
+                    try:
+                        values.update(as_outputs(step, run(*(values[i] for i in step.input_names))))
+                    finally:
+                        for h in hooks:
+                            h.remove()
+                    values.update(captured)
+            out[precision] = {o: values[o].float() if precision == "float16" else values[o] for o in outputs}
+        atomic_write(tmp / "outputs.pt", lambda f: torch.save(out, f))
+
+    entry, _ = cache.get_or_build("variants", key, build)
+    return torch.load(entry / "outputs.pt", weights_only=True)
+
+
+def _capture_hooks(root: torch.nn.Module, refs: list[str], into: dict[str, torch.Tensor]) -> list:
+    """Forward hooks that keep the first value of each module reference (`path:out` / `path:in`;
+    `gen_x`: the generator's input), cloned (Generator's `xs += ...` mutates after the hook)."""
+    hooks = []
+    for ref in refs:
+        path, which = ("decoder.generator", "in") if ref == "gen_x" else ref.rsplit(":", 1)
+        sub = root.get_submodule(path)
+
+        def keep(value, ref=ref):
+            first = value[0] if isinstance(value, (tuple, list)) else value
+            if isinstance(first, torch.Tensor) and ref not in into:
+                into[ref] = first.detach().clone()
+
+        hooks.append(sub.register_forward_pre_hook(lambda m, args, keep=keep: keep(args)) if which == "in"
+                     else sub.register_forward_hook(lambda m, a, o, keep=keep: keep(o)))
+    return hooks

@@ -17,8 +17,8 @@ from pathlib import Path
 from . import __version__
 from .backends import Backend, get_backend
 from .cases import Case, case_dirs, configured_dirs, load_cases
-from .plumbing.files import save_tensors
-from .plumbing.jobs import JobResult, cached_job, run_job
+from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
+from .plumbing.jobs import JobResult, cached_job
 from .record import Record, backend_label, item_id
 from .reference import MODES
 from .verdict import Profile, Verdict
@@ -291,16 +291,24 @@ class Session:
         from .plumbing.targets import TargetUnreachable
 
         run_dir = self.report_dir / "runs" / run_name
-        save_tensors(run_dir / "inputs.pt", inputs)
+        # an ONNX artifact runs in a child without torch (its import cost more than the run): numpy files
+        onnx = getattr(backend, "kind", None) == "onnx" and backend.name.startswith("prebuilt:")
+        ext = ".npz" if onnx else ".pt"
+        if onnx:
+            save_arrays(run_dir / "inputs.npz", [canonical(t).detach().cpu().numpy() for t in inputs])
+        else:
+            save_tensors(run_dir / "inputs.pt", inputs)
         target = self.target_for(rec.target.get("name") or "local")
         from . import progress
 
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
             with progress.phase(f"running {tag}".strip("_. ")):
-                result = target.run_job("harness.backends:run_artifact_job",
-                                        dict(backend=backend.name, artifact_path=str(artifact_path),
-                                             inputs_path=str(run_dir / "inputs.pt"),
-                                             outputs_path=str(run_dir / "outputs.pt")),
+                result = target.run_job("harness.backends.onnx_child:run_onnx_job" if onnx else
+                                        "harness.backends:run_artifact_job",
+                                        dict(**({} if onnx else dict(backend=backend.name)),
+                                             artifact_path=str(artifact_path),
+                                             inputs_path=str(run_dir / f"inputs{ext}"),
+                                             outputs_path=str(run_dir / f"outputs{ext}")),
                                         run_dir, self.limits.run_s,
                                         files=dict(artifact_path="artifact_entry", inputs_path="input",
                                                    outputs_path="output"))
@@ -317,6 +325,8 @@ class Session:
             failed(rec, result, Verdict.RUN_ERROR)
             return None
         rec.audit.update(result.value.get("audit") or {})
+        if onnx:
+            return [torch.from_numpy(a) for a in load_arrays(run_dir / "outputs.npz")]
         return torch.load(run_dir / "outputs.pt", weights_only=True)
 
     # -- judging ------------------------------------------------------------------------------

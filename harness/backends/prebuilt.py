@@ -83,7 +83,7 @@ class PrebuiltBackend(Backend):
         return True, ""
 
     def version(self) -> str:
-        from ..plumbing.files import sha256_file
+        from ..plumbing.files import sha256_file_cached as sha256_file  # once per file and session
 
         digest = (sha256_file(self.path)[:16] if self.path.is_file() else
                   _tree_digest(self.path) if self.path.is_dir() else "missing")
@@ -117,7 +117,21 @@ class PrebuiltBackend(Backend):
 
 
 def external_data(path: Path) -> list[str]:
-    """The side files an ONNX keeps its tensors in (`location` of external-data initializers)."""
+    """The side files an ONNX keeps its tensors in (`location` of external-data initializers);
+    memoized per (path, size, mtime_ns): onnx.load reads the whole file, and every stage run keys it."""
+    import os
+
+    st = os.stat(path)
+    stamp = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if stamp not in _EXTERNAL:
+        _EXTERNAL[stamp] = _external_data(path)
+    return list(_EXTERNAL[stamp])
+
+
+_EXTERNAL: dict[tuple, list[str]] = {}
+
+
+def _external_data(path: Path) -> list[str]:
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -178,9 +192,23 @@ def describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
     import coremltools as ct
 
     spec = ct.utils.load_spec(path)
-    ins = [Port(i.name, tuple(i.type.multiArrayType.shape) or None) for i in spec.description.input]
-    outs = [Port(o.name, tuple(o.type.multiArrayType.shape) or None) for o in spec.description.output]
+    ins, outs = ([Port(f.name, tuple(f.type.multiArrayType.shape) or None, _ml_dtype(f.type)) for f in features]
+                 for features in (spec.description.input, spec.description.output))
     return ins, outs
+
+
+_ML_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "DOUBLE": "float64", "INT32": "int32", "INT8": "int8"}
+
+
+def _ml_dtype(feature_type) -> str | None:
+    """A Core ML multi-array's element type as numpy names it: Core ML I/O has no bool or int64, so
+    the chain casts to it (text_mask as float32, ids as int32)."""
+    if feature_type.WhichOneof("Type") != "multiArrayType":
+        return None
+    import coremltools as ct
+
+    name = ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(feature_type.multiArrayType.dataType)
+    return _ML_DTYPES.get(name)
 
 
 def _et_dtype(name: str) -> str:
@@ -204,10 +232,6 @@ def ports_from_job(value: dict) -> tuple[list[Port], list[Port] | None]:
 
 # ---- running (in a child process) ----------------------------------------------------------
 
-_NP = {"tensor(float16)": "float16", "tensor(int32)": "int32", "tensor(float)": "float32",
-       "tensor(int64)": "int64", "tensor(bool)": "bool", "tensor(double)": "float64"}
-
-
 def run_artifact(path: str | Path, inputs: list) -> list:
     """Run an artifact on tensors in its own input order (cast to its declared dtypes)."""
     import numpy as np
@@ -224,17 +248,9 @@ def run_artifact(path: str | Path, inputs: list) -> list:
         inputs = [t.to(c) if isinstance(c, torch.dtype) else t for t, c in zip(inputs, casts)]
         return list(program.load_method("forward").execute([t.contiguous() for t in inputs]))
     if kind == "onnx":
-        import onnxruntime as ort
+        from .onnx_child import run_onnx  # the same run as the torch-free child's
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        feed = {}
-        for port, t in zip(sess.get_inputs(), inputs):
-            a = t.detach().cpu().numpy()
-            want = _NP.get(port.type)
-            feed[port.name] = np.ascontiguousarray(a.astype(want) if want is not None else a)
-        return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, feed)]
+        return [torch.from_numpy(o) for o in run_onnx(path, [t.detach().cpu().numpy() for t in inputs])]
     if kind == "tvm":
         from .tvm import run_library
 

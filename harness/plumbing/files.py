@@ -102,3 +102,33 @@ def save_tensors(path: str | os.PathLike, tensors) -> Path:
 
     values = list(tensors.values()) if isinstance(tensors, dict) else list(tensors)
     return atomic_write(path, lambda f: torch.save([canonical(t) for t in values], f))
+
+
+def save_arrays(path: str | os.PathLike, arrays) -> Path:
+    """Save a list of numpy arrays atomically as an uncompressed .npz (`a0`, `a1`, ... in order):
+    the inputs file of a job that must not import torch (harness.backends.onnx_child)."""
+    import numpy as np
+
+    return atomic_write(path, lambda f: np.savez(f, **{f"a{i}": np.ascontiguousarray(a)
+                                                       for i, a in enumerate(arrays)}))
+
+
+def load_arrays(path: str | os.PathLike) -> list:
+    """The arrays save_arrays wrote, in order."""
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as z:
+        return [z[f"a{i}"] for i in range(len(z.files))]
+
+
+_FILE_DIGESTS: dict[tuple, str] = {}
+
+
+def sha256_file_cached(path: str | os.PathLike) -> str:
+    """sha256_file, memoized per (path, size, mtime_ns) in this process: a port run keys the same
+    artifact at every stage run and would otherwise re-read the whole file each time."""
+    st = os.stat(path)
+    stamp = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if stamp not in _FILE_DIGESTS:
+        _FILE_DIGESTS[stamp] = sha256_file(path)
+    return _FILE_DIGESTS[stamp]

@@ -168,8 +168,9 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         if stage.step is not None and steps is None:
             raise PortError(f"stage {stage.name!r}, field 'step': a harness step runs on a backend; a port of "
                             f"prebuilt artifacts names an `artifact:` per stage")
-        tol = session.profile.for_(stage.precision if stage.precision != "float32" else profile_step, item.backend,
-                                   item.mode)
+        # float16: the port's tolerance against the float16 floor (judge_tensor); int8: its own entry
+        tol = session.profile.for_(stage.precision if stage.precision not in ("float32", "float16") else profile_step,
+                                   item.backend, item.mode)
         try:
             own = {ref.tensor: UserGlue(ref.glue, resolve_glue(ref.glue, port.root))
                    for ref in stage.inputs.values() if ref.glue is not None}
@@ -206,11 +207,18 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
                "precision": stage.precision, "outputs": {}}
         if meta:
             row["bucket"] = meta
+        own, note = stage_references(session, stage, local_in, traces, item, steps, references)
+        if note:
+            row["reference"] = note
         for tensor in chained_out:
-            ref = (references or {}).get(tensor)
-            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref)
+            ref = {**((references or {}).get(tensor) or {}), **own.get(tensor, {})}
+            # the chained run took another bucket: its padded reference is not this one
+            chain_ref = ref if meta.get("chained", meta.get("local")) == meta.get("local") else \
+                {k: v for k, v in ref.items() if k not in ("float32", "float64", "exact", "bucket")} | \
+                dict(ref.get("exact", {}))
+            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref or None)
             chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
-                                                                        stage, ref)
+                                                                        stage, chain_ref or None)
             row["outputs"][tensor] = {"local": local, "chained": chain}
             if not local.get("ok", True) and first_local is None:
                 first_local = (stage.name, tensor, local)
@@ -238,6 +246,65 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
 def boundary(name: str, traces) -> torch.Tensor:
     """The reference's tensor at a port boundary (fp32, exact lengths, the case's noise)."""
     return tensors.reference(name, traces, "float32")
+
+
+def stage_references(session, stage: StageSpec, local_in: dict, traces, item, steps: HarnessSteps | None = None,
+                     references: dict | None = None) -> tuple[dict, str]:
+    """What a stage's outputs are judged against beyond the plain reference, and a note for its row.
+
+    A bucketed stage: its outputs recomputed by Kokoro's reference from its local inputs padded to
+    the bucket it ran (pad_to_bucket; harness.reference.stage_reference, static patches, fp32 and
+    fp64), trimmed like the stage's outputs: {tensor: {"float32", "float64", "bucket", "exact":
+    {"float32", "float64"}}} — Kokoro is not padding-invariant, so the padded reference isolates the
+    backend's error and the exact-length one measures what the padding costs. A `precision: float16`
+    stage: {"float16", "float16_base"} (eager float16 and float64 of the same computation, at the
+    bucket or the exact lengths): its float16 floor. A stage whose outputs cannot be recomputed from
+    its inputs (it starts inside a module) keeps the exact-length reference; the note says so."""
+    from ..reference import CASE_INPUTS, NEUTRAL_PATCHES, REFERENCE_PATCHES, BoundaryError, stage_reference
+
+    bucketed = bool(stage.buckets) and (stage.step is None or (steps is not None and steps.static))
+    fp16 = stage.precision == "float16"
+    if not bucketed and not fp16:
+        return {}, ""
+    names = tuple(dict.fromkeys(r.tensor for r in stage.outputs.values() if r.tensor != "pred_dur"))
+    inputs = {**{n: boundary(n, traces) for n in CASE_INPUTS if n not in local_in}, **local_in}
+    mode = "static" if bucketed else "dynamic"
+    variant = tuple(p for p in (steps.patches if steps is not None and stage.step else ())
+                    if p not in REFERENCE_PATCHES[mode] and p not in NEUTRAL_PATCHES)
+    chosen = None
+    if bucketed:
+        chosen = choose_buckets(stage, local_in, traces)
+        inputs = pad_to_bucket(stage, inputs, chosen, traces)
+        listed = {u: b for u, b in chosen.items() if stage.bucket_units[u] != "case"} or chosen
+        chosen = next(iter(listed.values())) if len(listed) == 1 else listed
+    precisions = (("float32", "float64") if bucketed else ("float64",)) + (("float16",) if fp16 else ())
+    try:
+        ref = stage_reference(session.model, session.cases[item.case], inputs, names, mode, precisions, variant)
+    except BoundaryError as e:
+        return {}, (f"no reference at bucket {chosen}: {e}; judged against the exact-length reference"
+                    if bucketed else f"no float16 floor: {e}; judged against the fp32 floor")
+    out = {}
+    for t in names:
+        exact = (references or {}).get(t) or {p: tensors.reference(t, traces, p) for p in ("float32", "float64")}
+        shape = tuple(exact["float32"].shape)
+        got = {p: _like(v[t], shape) for p, v in ref.items()}
+        if fp16:
+            got["float16_base"] = got.pop("float64") if not bucketed else got["float64"]
+        if bucketed:
+            got |= {"bucket": chosen, "exact": exact}
+        out[t] = got
+    note = f"judged against the reference padded to bucket {chosen}" if bucketed else ""
+    return out, note
+
+
+def _like(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A padded reference cut to the exact reference's shape (the valid region, as `trim` does)."""
+    if value.dim() != len(shape):
+        return value
+    for axis, size in enumerate(shape):
+        if value.shape[axis] > size:
+            value = value.narrow(axis, 0, size)
+    return value.contiguous()
 
 
 @dataclass(frozen=True)
@@ -509,14 +576,18 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
         rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r}: {why}"
         return None
     run_dir = session.report_dir / "runs" / item.id / f"{stage.name}-{role}"
-    described = run_job("harness.backends.prebuilt:describe_job", dict(path=str(path)), run_dir / "describe",
-                        session.limits.run_s)
-    if not described.ok:
-        failed(rec, described, Verdict.RUN_ERROR)
-        rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"
-        return None
-    ins, outs = ports_from_job(described.value)
-    entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
+    key = backend.artifact_key()
+    described_by_key = vars(session).setdefault("described_artifacts", {})  # artifact key -> its declared ports
+    if key not in described_by_key:  # once per artifact content and session: the local and chained runs share it
+        described = run_job("harness.backends.prebuilt:describe_job", dict(path=str(path)), run_dir / "describe",
+                            session.limits.run_s)
+        if not described.ok:
+            failed(rec, described, Verdict.RUN_ERROR)
+            rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"
+            return None
+        described_by_key[key] = described.value
+    ins, outs = ports_from_job(described_by_key[key])
+    entry, result = cached_job("artifacts", key, "harness.backends:compile_job",
                                session.limits.compile_s,
                                lambda tmp: dict(backend=backend.name, program_path=str(path), out_dir=str(tmp)),
                                session.counts)
@@ -588,10 +659,11 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
     plain one): durations exactly, noise-dependent tensors of a stage that draws its own noise by
     their difference only (the band judges the audio), everything else against the fp32 floor
     (harness.verdict.comparator)."""
-    from ..metrics.tensor import compare_to_floor
-    from ..verdict import comparator
+    from ..metrics.tensor import compare_to_floor, error_metrics
+    from ..verdict import apply_float16_floor, comparator
 
-    ref32 = ref["float32"] if ref else tensors.reference(name, traces, "float32")
+    ref = ref or {}
+    ref32 = ref["float32"] if "float32" in ref else tensors.reference(name, traces, "float32")
     if name == "pred_dur":
         n = min(len(value), len(ref32))
         diff = (value[:n] - ref32[:n]).abs()
@@ -605,9 +677,17 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
                 else "shape")
         return {"ok": False, "why": f"shape {list(value.shape)} != reference {list(ref32.shape)}",
                 "kind": kind, "shape": list(value.shape)}
-    ref64 = ref["float64"] if ref else tensors.reference(name, traces, "float64")
+    ref64 = ref["float64"] if "float64" in ref else tensors.reference(name, traces, "float64")
     m = compare_to_floor(value, ref32, ref64)
     m["kind"] = difference_kind(value, ref64)
+    if "bucket" in ref:  # a bucketed stage: judged at its bucket; the exact-length error reported
+        exact = ref["exact"]
+        m["reference"] = f"padded to bucket {ref['bucket']}"
+        if tuple(exact["float64"].shape) == tuple(value.shape):
+            m["exact_rel_l2"] = error_metrics(value, exact["float64"])["rel_l2"]
+            m["rewrite_drift_rel_l2"] = error_metrics(ref32, exact["float32"])["rel_l2"]
+    if "float16" in ref:  # a float16 stage: float16 eager's own error is its floor, the fp32 one beside it
+        apply_float16_floor(m, error_metrics(ref["float16"], ref.get("float16_base", ref64)), stage.precision)
     t = tensors.VOCAB.get(name)
     if t is not None and t.stochastic and stage.noise == "own":
         m["ok"], m["why"] = True, "draws its own noise: judged by the noise band"
@@ -662,7 +742,8 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
     from .noise import DIRECTIONS, noise_band
 
     last = port.stages[-1]
-    tol = session.profile.for_(last.precision if last.precision != "float32" else "port", item.backend, item.mode)
+    tol = session.profile.for_(last.precision if last.precision not in ("float32", "float16") else "port",
+                               item.backend, item.mode)
     failures = []
     for row in rec.stages:
         for tensor, m in row["outputs"].items():
