@@ -28,16 +28,20 @@ KEEP_SCHEMA = "kokoro-parity/keep-fp32/1"
 
 
 def node_module_path(node) -> str:
-    """The module path of an FX node of an exported step (`decoder.generator.m_source`), from its
-    `nn_module_stack`; `<top>` for the step's own code."""
+    """The KModel path of an FX node of an exported step (`decoder.generator.m_source`), from its
+    `nn_module_stack`; `<top>` for the step's own code. A step holds the KModel as `kmodel`, an e2e
+    stage inside wrappers of its own (`decoder.kmodel.decoder.generator`): the path after the last
+    `kmodel` is the KModel's, which keep-lists name."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return "<top>"
     path = ""
     for entry, _ in stack.values():  # an entry may be relative to its parent (patched forwards)
         path = entry if not path or entry.startswith(path) else f"{path}.{entry}"
-    path = path.removeprefix("L['self'].")
-    return (path[len("kmodel."):] if path.startswith("kmodel.") else path) or "<top>"
+    parts = path.removeprefix("L['self'].").split(".")
+    if "kmodel" in parts:
+        parts = parts[len(parts) - parts[::-1].index("kmodel"):]
+    return ".".join(parts) or "<top>"
 
 
 def read_keep_list(path: str | Path | None = None) -> list[str]:

@@ -544,3 +544,37 @@ def test_search_goes_on_from_a_given_set_and_judges_cheap_cases_first():
     assert result.reached and result.keep == ["a", "b", "phase"]
     assert result.rounds[0]["chosen"] == "a,b"  # from `phase` on: no round spent finding it again
     assert result.before[0].shippable is False
+
+
+def test_node_module_path_is_the_kmodel_path_inside_an_e2e_stages_wrappers():
+    """The synthesizer holds the KModel inside wrappers of its own (`decoder.kmodel.decoder...`):
+    a keep-list names KModel paths, so the islands must find `decoder.generator` there too."""
+    from harness.precision.islands import island_nodes, node_module_path, not_in_program
+
+    class KModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = nn.Sequential()
+            self.decoder.generator = nn.Linear(4, 4)
+
+    class Wrapper(nn.Module):  # as SynthesizerStep's `decoder`: holds the KModel, calls a part of it
+        def __init__(self, km):
+            super().__init__()
+            self.kmodel = km
+
+        def forward(self, x):
+            return self.kmodel.decoder.generator(x).relu()
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = Wrapper(KModel())
+
+        def forward(self, x):
+            return self.decoder(x) * 2
+
+    program = torch.export.export(Stage().eval(), (torch.randn(1, 4),))
+    paths = {node_module_path(n) for n in program.graph.nodes if n.op == "call_function"}
+    assert "decoder.generator" in paths and not any("kmodel" in p for p in paths)
+    assert not_in_program(program.graph, ["decoder.generator"]) == []
+    assert island_nodes(program.graph, ["decoder.generator"])
