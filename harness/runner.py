@@ -128,8 +128,13 @@ class Session:
         return self._traces[case_id]
 
     def items(self, backends: list[str], steps: list[str] | None = None, modes=MODES) -> list[Item]:
-        from .steps import ITEM_STEPS
+        from .steps import ITEM_STEPS, STAGES
 
+        for s in steps or ():
+            if s in {st.name for st in STAGES}:
+                raise ValueError(f"--step {s}: a stage of the e2e item, not an item of its own; run --step e2e")
+            if s not in ITEM_STEPS:
+                raise ValueError(f"--step {s}: unknown step; steps: {', '.join(ITEM_STEPS)}")
         return [Item(c, s, b, m, self.target) for c in self.cases for s in (steps or ITEM_STEPS) for b in backends
                 for m in modes]
 

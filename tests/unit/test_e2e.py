@@ -227,3 +227,14 @@ def test_a_real_backends_static_item(e2e_session):
     assert rec.real_time["run_s"] == pytest.approx(rec.timings["duration_stage.local.run_s"]
                                                    + rec.timings["synthesizer.chained.run_s"])
     assert (e2e_session.report_dir / rec.audio["backend"]).is_file()
+
+
+def test_a_stage_of_the_e2e_item_is_not_an_item_of_its_own(tmp_path):
+    from tests.unit.conftest import tiny_session_at
+
+    with tiny_session_at(tmp_path) as s:
+        with pytest.raises(ValueError, match="--step synthesizer: a stage of the e2e item.*--step e2e"):
+            s.items(["eager"], ["synthesizer"])
+        with pytest.raises(ValueError, match="--step nope: unknown step; steps: bert"):
+            s.items(["eager"], ["nope"])
+        assert [i.step for i in s.items(["eager"], ["e2e"], ("dynamic",))] == ["e2e"]
