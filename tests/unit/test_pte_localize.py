@@ -94,7 +94,9 @@ def _export_with_a_sign_flip(session, out_dir, module_path: str):
     from harness.steps import get_step
 
     inputs = session.traces("tiny").inputs("text_encoder", "dynamic", "float32")
-    km = apply_patches(session.model.kmodel, list(get_backend("portable").patches))
+    # the unrolled program: ExecuTorch's numeric gap (Inspector.calculate_numeric_gap) gives no answer
+    # inside a `scan` body, which portable lowers by default (scan_lstm)
+    km = apply_patches(session.model.kmodel, [p for p in get_backend("portable").patches if p != "scan_lstm"])
     hook = km.get_submodule(module_path).register_forward_hook(lambda m, args, out: -out)
     try:
         with torch.no_grad():
