@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import platform
+
+from . import __version__
 from .plumbing.files import atomic_write_json
 from .verdict import Verdict
 
@@ -112,4 +115,29 @@ def read_records(directory: Path) -> list[Record]:
     out = []
     for p in sorted(Path(directory).glob("*.json")):
         out.append(Record.from_dict(json.loads(p.read_text())))
+    return out
+
+
+# ---- filled by the runner and the port chain --------------------------------------------------
+
+_JOB_VERDICTS = {"crashed": Verdict.CRASHED, "timeout": Verdict.TIMEOUT}
+
+
+def failed(rec: "Record", result, error_verdict: Verdict) -> None:
+    """A job (harness.plumbing.jobs.JobResult) that did not succeed: crashed and timed-out jobs say so, anything else is the phase's error."""
+    rec.failed(_JOB_VERDICTS.get(result.status, error_verdict), result.error, result.log_tail)
+
+
+def versions(backend=None) -> dict[str, str]:
+    """The versions a record carries (the backend's own, when there is one)."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "harness": __version__, "platform": platform.platform()}
+    if backend is not None:
+        out["backend"] = backend.version()
+    for pkg in ("torch", "kokoro", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
     return out

@@ -9,17 +9,15 @@ reads the records this writes.
 from __future__ import annotations
 
 import json
-import platform
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
 from .backends import Backend, get_backend
 from .cases import Case, case_dirs, configured_dirs, load_cases
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
-from .plumbing.jobs import JobResult, cached_job
-from .record import Record, backend_label, item_id
+from .plumbing.jobs import cached_job
+from .record import Record, backend_label, failed, item_id, versions
 from .reference import MODES
 from .verdict import Profile, Verdict
 
@@ -68,14 +66,6 @@ class Resolved:
     traces: object  # harness.reference.CaseTraces
     backend: Backend
     patches: list[str]
-
-
-_JOB_VERDICTS = {"crashed": Verdict.CRASHED, "timeout": Verdict.TIMEOUT}
-
-
-def failed(rec: Record, result: JobResult, error_verdict: Verdict) -> None:
-    """A job that did not succeed: crashed and timed-out jobs say so, anything else is the phase's error."""
-    rec.failed(_JOB_VERDICTS.get(result.status, error_verdict), result.error, result.log_tail)
 
 
 @dataclass
@@ -385,17 +375,3 @@ def workarounds_of(backend: Backend | None) -> dict[str, list[str]]:
         return {}
     off = backend.disabled_workarounds()
     return {"applied": sorted(set(backend.workarounds) - off), "disabled": sorted(off)}
-
-
-def versions(backend: Backend | None) -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "harness": __version__, "platform": platform.platform()}
-    if backend is not None:
-        out["backend"] = backend.version()
-    for pkg in ("torch", "kokoro", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out

@@ -97,7 +97,7 @@ def run_port_item(session, item: PortItem):
 
     rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED,
                  model={"name": session.model.name, "digest": session.model.digest, "source": session.model.source})
-    from ..runner import versions
+    from ..record import versions
 
     rec.versions = versions(None)
     if item.error:
@@ -141,7 +141,11 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     `judge_end`) gives the verdict from the chained values (and the last stage's local ones);
     `profile_step`: the tolerance profile's step for the stage rows; `references`: {tensor:
     {"float32": ..., "float64": ...}} judged against instead of the plain reference (a backend's
-    semantics-changing patches make their own variant, harness.reference.synthesizer_reference)."""
+    semantics-changing patches make their own variant, harness.reference.synthesizer_reference).
+    Longer than 80 lines on purpose: the loop over stages shares the chained values, the user's
+    glue, the rows already judged and the first stage to leave its floor; the per-stage pieces
+    (glue, run, judge) are functions of their own, the loop reads as the chain runs.
+    """
     from ..verdict import Verdict
 
     end = end or judge_end
@@ -554,7 +558,7 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     `meta[role]` records the bucket (a size, or {unit: size} with buckets per unit)."""
     from ..backends.prebuilt import PrebuiltBackend, ports_from_job
     from ..plumbing.jobs import cached_job, run_job
-    from ..runner import failed
+    from ..record import failed
     from ..verdict import Verdict
 
     chosen = {}
