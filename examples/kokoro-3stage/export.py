@@ -7,7 +7,7 @@
 """
 from pathlib import Path
 
-from harness.port.splits import main
+from harness.port.export_command import main
 
 if __name__ == "__main__":
     main("kokoro-3stage", Path(__file__).resolve().parent)

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("coremltools")
 
-from harness.port import coreml_splits, splits  # noqa: E402
+from harness.port import coreml_splits, export_command, splits  # noqa: E402
 from harness.port.portfile import load_port  # noqa: E402
 
 DARWIN = platform.system() == "Darwin"
@@ -35,7 +35,7 @@ def test_stage_precisions_follow_the_public_port_and_overrides():
 
 def test_the_export_command_takes_precision_only_for_core_ml(capsys):
     with pytest.raises(SystemExit):
-        splits.main("kokoro-3stage", "unused", ["--case", "tiny", "--precision", "decoder=float16"])
+        export_command.main("kokoro-3stage", "unused", ["--case", "tiny", "--precision", "decoder=float16"])
     assert "--precision, --no-workaround: only with --format coreml" in capsys.readouterr().err
 
 
