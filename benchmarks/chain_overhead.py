@@ -1,7 +1,8 @@
 """What judging a port chain costs beyond running its artifacts alone (issue 21: at most 1.10 warm).
 
 Exports the 3-stage split (harness/port/splits.py: duration | alignment on the host | prosody |
-decoder) of the random model (`random:0`) on the short `tiny` case to ONNX, in a child process with
+decoder) of the random model (`random:0`) on the short `tiny` case (or `--weights default --case ja`:
+the default model on a shipped case) to ONNX, in a child process with
 a cache of its own, so that the harness's cache starts empty. Then, in this process:
 
 - harness, cold: a Session on that empty cache runs the port item (`harness.port.chain.run_port_item`:
@@ -10,15 +11,17 @@ a cache of its own, so that the harness's cache starts empty. Then, in this proc
 - harness, warm: a new Session on the cache the cold run left (references cached) runs it again;
 - alone: a script that imports only numpy and onnxruntime runs the same artifacts on the very
   inputs the warm item fed them (the item's `inputs.npz`/`.pt`, the same number of artifact runs: local
-  and chained), loading each ONNX and running it, as a porter's one-off script does; its first
+  and chained), loading each ONNX once and running it, as a porter's one-off script does; its first
   process (cold) and the median of `--repeat` more (warm), whole processes with Python's start;
-  and once more with one such process per artifact run: the harness's isolation without its torch.
+  and once more with one such process per artifact run (the isolation the harness had before its
+  warm worker, harness.plumbing.worker).
 
 The model is loaded before each timed item (a pytest session loads it once, not per item) and
 reported beside them. Prints harness / alone, cold and warm, against the target.
 
     nice -n 19 .venv/bin/python benchmarks/chain_overhead.py [--repeat 5] [--profile out.pstats] [--keep DIR]
     nice -n 19 .venv/bin/python benchmarks/chain_overhead.py --chain DIR/chain/port.yaml   # reuse --keep DIR's export
+    nice -n 19 .venv/bin/python benchmarks/chain_overhead.py --weights default --case ja --repeat 3
 """
 from __future__ import annotations
 
@@ -48,11 +51,13 @@ def alone(plan_path: str) -> None:
 
     imported = time.perf_counter()
     plan = json.loads(Path(plan_path).read_text())
-    outputs = 0
+    outputs, sessions = 0, {}
     for run in plan["runs"]:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1  # as the harness's run (harness.backends.prebuilt.run_artifact)
-        sess = ort.InferenceSession(run["onnx"], opts, providers=["CPUExecutionProvider"])
+        if run["onnx"] not in sessions:  # each artifact loaded once, as a porter's script does
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = 1  # as the harness's run (harness.backends.onnx_child)
+            sessions[run["onnx"]] = ort.InferenceSession(run["onnx"], opts, providers=["CPUExecutionProvider"])
+        sess = sessions[run["onnx"]]
         data = np.load(run["inputs"])
         feed = {p.name: np.ascontiguousarray(data[f"arr_{i}"].astype(NP_TYPES.get(p.type, data[f"arr_{i}"].dtype)))
                 for i, p in enumerate(sess.get_inputs())}
@@ -62,23 +67,26 @@ def alone(plan_path: str) -> None:
                       "outputs": outputs}))
 
 
-def export_chain(tmp: Path, case: str) -> Path:
+def export_chain(tmp: Path, case: str, weights: str | None) -> Path:
     """The split exported by its example's own command, on a cache that the timed runs never see."""
     env = {**os.environ, "KOKORO_PARITY_CACHE": str(tmp / "export-cache"), "KOKORO_PARITY_CASES": str(tmp / "cases")}
     r = subprocess.run([sys.executable, str(ROOT / "examples" / SPLIT / "export.py"), "--case", case,
-                        "--weights", "random:0", "--out", str(tmp / "chain")], cwd=ROOT, env=env,
+                        *(["--weights", weights] if weights else []), "--out", str(tmp / "chain")], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"exporting the {SPLIT} split failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return tmp / "chain" / "port.yaml"
 
 
-def harness_item(tmp: Path, port: Path, case: str, label: str, profile=None) -> dict:
+def harness_item(tmp: Path, port: Path, case: str, weights: str | None, label: str, profile=None) -> dict:
     """One port item on a fresh Session (its model loaded first, outside the timing)."""
+    from harness.plumbing.worker import stop_worker
     from harness.port.chain import port_items, run_port_item
     from harness.runner import Session
 
-    session = Session(weights="random:0", case_ids=[case], report_dir=tmp / "reports" / label,
+    stop_worker()  # a new session's worker, as a new pytest run has: no ONNX session loaded before
+
+    session = Session(weights=weights, case_ids=[case], report_dir=tmp / "reports" / label,
                       cases_dirs=(str(tmp / "cases"),))
     t0 = time.perf_counter()
     session.model  # noqa: B018 - loaded once per session, as in a pytest run
@@ -89,6 +97,7 @@ def harness_item(tmp: Path, port: Path, case: str, label: str, profile=None) -> 
     t0 = time.perf_counter()
     rec = run_port_item(session, item)
     wall = time.perf_counter() - t0
+    session.close()
     if profile is not None:
         profile.disable()
     if rec.verdict.value not in ("pass", "fail"):
@@ -152,6 +161,8 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, help="keep the work directory here")
     ap.add_argument("--chain", type=Path, help="reuse the port file of an earlier --keep run (DIR/chain/port.yaml) "
                                                "instead of exporting the split again")
+    ap.add_argument("--weights", default="random:0", help="`default` for the default model (then give --case ja)")
+    ap.add_argument("--case", default="tiny", help="tiny (8 tokens, written here) or a shipped case")
     ap.add_argument("--alone", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.alone:
@@ -162,27 +173,27 @@ def main() -> int:
 
     from harness.cases import write_case
 
-    case = "tiny"
+    case, weights = args.case, None if args.weights == "default" else args.weights
     tmp = Path(tempfile.mkdtemp(prefix="kp-chain-bench-"))
     load = os.getloadavg()
     try:
         # the unit tests' tiny case: 8 tokens, speed 4 (few frames)
-        write_case(tmp / "cases", case, "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+        write_case(tmp / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
         t0 = time.perf_counter()
         if args.chain:  # an earlier export of this benchmark (--keep DIR: DIR/chain/port.yaml)
             shutil.copytree(args.chain.parent, tmp / "chain")
             port = tmp / "chain" / args.chain.name
         else:
-            port = export_chain(tmp, case)
+            port = export_chain(tmp, case, weights)
         export_s = time.perf_counter() - t0
         os.environ["KOKORO_PARITY_CACHE"] = str(tmp / "cache")  # empty: the cold item computes the references
-        cold = harness_item(tmp, port, case, "cold")
+        cold = harness_item(tmp, port, case, weights, "cold")
         profile = None
         if args.profile:
             import cProfile
 
             profile = cProfile.Profile()
-        warm = harness_item(tmp, port, case, "warm", profile)
+        warm = harness_item(tmp, port, case, weights, "warm", profile)
         if profile is not None:
             profile.dump_stats(str(args.profile))
         plan = alone_plan(tmp, port, warm)
@@ -199,7 +210,7 @@ def main() -> int:
     if alone_cold["runs"] != warm["artifact_runs"]:
         raise SystemExit(f"alone ran {alone_cold['runs']} artifacts, the item {warm['artifact_runs']}")
     ratio_cold, ratio_warm = cold["item_s"] / alone_cold["process_s"], warm["item_s"] / warm_alone_s
-    print(f"{SPLIT} of random:0 on the tiny case ({warm['artifact_runs']} artifact runs: local + chained); "
+    print(f"{SPLIT} of {args.weights} on the {case} case ({warm['artifact_runs']} artifact runs: local + chained); "
           f"export {export_s:.1f} s{' (reused)' if args.chain else ''}; load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
           f"after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(tabulate([
@@ -217,8 +228,8 @@ def main() -> int:
     ], headers=["", "wall", ""]))
     print(f"where the warm item's {warm['item_s']:.1f} s go: {warm['artifact_runs']} run jobs {warm['run_jobs_s']:.1f} s "
           f"(the runtime's load + run {warm['runtime_s']:.1f} s, the rest the child's start, imports and tensor files); "
-          f"the rest of the item {warm['item_s'] - warm['run_jobs_s']:.1f} s (describe jobs, judging, hashing)")
-    print(f"alone, one process per artifact run (the harness's isolation without torch): median of {len(isolated)} "
+          f"the rest of the item {warm['item_s'] - warm['run_jobs_s']:.1f} s (judging, hashing, files)")
+    print(f"alone, one process per artifact run (the harness's isolation before its warm worker): median of {len(isolated)} "
           f"{statistics.median(isolated):.2f} s; harness / that {warm['item_s'] / statistics.median(isolated):.2f}")
     return 0
 

@@ -137,9 +137,12 @@ class Session:
         return self._targets[name]
 
     def close(self) -> None:
-        """End the targets' connections."""
+        """End the targets' connections and the warm worker (harness.plumbing.worker)."""
+        from .plumbing.worker import stop_worker
+
         for t in self._targets.values():
             t.close()
+        stop_worker()
 
     def patches_for(self, backend: Backend) -> list[str]:
         """The backend's own patches (less its patch-workarounds switched off: `--no-workaround`)
@@ -306,7 +309,7 @@ class Session:
                                              outputs_path=str(run_dir / f"outputs{ext}")),
                                         run_dir, self.limits.run_s,
                                         files=dict(artifact_path="artifact_entry", inputs_path="input",
-                                                   outputs_path="output"))
+                                                   outputs_path="output"), warm=onnx)
         except TargetUnreachable as e:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; target {target.name!r} unreachable: {e}"
             return None

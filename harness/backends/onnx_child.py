@@ -7,20 +7,41 @@ harness.plumbing.files.save_arrays and converts the outputs back to torch. Nothi
 nor in the packages it is imported through, may import torch (tests/unit/test_onnx_child.py)."""
 from __future__ import annotations
 
+import os
 import time
+from collections import OrderedDict
 
 _NP = {"tensor(float16)": "float16", "tensor(int32)": "int32", "tensor(float)": "float32",
        "tensor(int64)": "int64", "tensor(bool)": "bool", "tensor(double)": "float64"}
 
 
+# In the warm worker (harness.plumbing.worker) a chain's local and chained runs of one stage share
+# its loaded session: keyed by the file's identity, the last few kept.
+_SESSIONS: OrderedDict = OrderedDict()
+KEPT_SESSIONS = 4
+
+
+def session_for(path: str):
+    import onnxruntime as ort
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key in _SESSIONS:
+        _SESSIONS.move_to_end(key)
+        return _SESSIONS[key]
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    _SESSIONS[key] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    while len(_SESSIONS) > KEPT_SESSIONS:
+        _SESSIONS.popitem(last=False)
+    return _SESSIONS[key]
+
+
 def run_onnx(path: str, inputs: list) -> list:
     """Run an ONNX file on numpy arrays in its own input order, each cast to its declared dtype."""
     import numpy as np
-    import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    sess = session_for(str(path))
     feed = {}
     for port, a in zip(sess.get_inputs(), inputs):
         want = _NP.get(port.type)

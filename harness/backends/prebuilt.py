@@ -156,8 +156,20 @@ def _tree_digest(path: Path) -> str:
 
 # ---- what the artifact declares ----------------------------------------------------------
 
+_DESCRIBED: dict[tuple, tuple] = {}
+
+
 def describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
-    """(declared inputs, declared outputs or None when the format does not say), without running."""
+    """(declared inputs, declared outputs or None when the format does not say), without running;
+    memoized per file (path, size, mtime): a port's validation and its stages' runs read it once."""
+    st = Path(path).stat()
+    stamp = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if stamp not in _DESCRIBED:
+        _DESCRIBED[stamp] = _describe(path)
+    return _DESCRIBED[stamp]
+
+
+def _describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
     kind, path = kind_of(path), str(path)
     if kind == "onnx":
         import onnx
@@ -218,6 +230,11 @@ def _et_dtype(name: str) -> str:
 
 def describe_job(path: str) -> dict:
     """Job function (child process): a corrupted file crashes or raises there, not in the harness."""
+    return describe_as_json(path)
+
+
+def describe_as_json(path: str | Path) -> dict:
+    """`describe` as plain lists (a job's result)."""
     ins, outs = describe(path)
     as_list = lambda ports: None if ports is None else [  # noqa: E731
         [p.name, list(p.shape) if p.shape is not None else None, p.dtype] for p in ports]

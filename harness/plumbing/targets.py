@@ -211,9 +211,10 @@ class Target:
     kind = "local"
 
     def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float,
-                files: dict[str, str] | None = None) -> JobResult:
+                files: dict[str, str] | None = None, warm: bool = False) -> JobResult:
         """`jobs.run_job`, wherever the target is. `files`: kwarg name -> "artifact" | "input" |
-        "output" for the kwargs that are paths (the remote run gets its own paths for them)."""
+        "output" for the kwargs that are paths (the remote run gets its own paths for them).
+        `warm`: a torch-free job that may run in a warm worker (harness.plumbing.worker)."""
         raise NotImplementedError
 
     def runnable(self, backend) -> tuple[bool, str]:
@@ -232,7 +233,11 @@ class LocalTarget(Target):
     def __init__(self) -> None:
         self._info: dict | None = None
 
-    def run_job(self, function, kwargs, workdir, timeout, files=None) -> JobResult:
+    def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False) -> JobResult:
+        if warm:
+            from .worker import run_warm_job
+
+            return run_warm_job(function, kwargs, workdir, timeout)
         return run_job(function, kwargs, workdir, timeout)
 
     def runnable(self, backend) -> tuple[bool, str]:
@@ -412,7 +417,7 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
         return out
 
     # -- a job ----------------------------------------------------------------------------------------------
-    def run_job(self, function, kwargs, workdir, timeout, files=None) -> JobResult:
+    def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False) -> JobResult:
         """Ship, run, fetch. A transport failure during the job is retried once, then the job is
         `crashed` with the reason; TargetUnreachable when it never started."""
         last = ""

@@ -556,8 +556,8 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     outputs as Kokoro tensors, or None with the record's verdict set. A bucketed stage runs the
     bucket that fits, its inputs padded to it and its outputs trimmed to `valid` (valid_lengths);
     `meta[role]` records the bucket (a size, or {unit: size} with buckets per unit)."""
-    from ..backends.prebuilt import PrebuiltBackend, ports_from_job
-    from ..plumbing.jobs import cached_job, run_job
+    from ..backends.prebuilt import PrebuiltBackend, describe_as_json, ports_from_job
+    from ..plumbing.jobs import JobResult, cached_job, run_job
     from ..record import failed
     from ..verdict import Verdict
 
@@ -583,8 +583,11 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     key = backend.artifact_key()
     described_by_key = vars(session).setdefault("described_artifacts", {})  # artifact key -> its declared ports
     if key not in described_by_key:  # once per artifact content and session: the local and chained runs share it
-        described = run_job("harness.backends.prebuilt:describe_job", dict(path=str(path)), run_dir / "describe",
-                            session.limits.run_s)
+        if backend.kind == "onnx":  # a protobuf parse, already made by the port's validation (memoized)
+            described = JobResult("ok", value=describe_as_json(path))
+        else:  # a runtime's loader, which a corrupted file can crash: in a child
+            described = run_job("harness.backends.prebuilt:describe_job", dict(path=str(path)),
+                                run_dir / "describe", session.limits.run_s)
         if not described.ok:
             failed(rec, described, Verdict.RUN_ERROR)
             rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"

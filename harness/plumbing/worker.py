@@ -1,0 +1,147 @@
+"""A warm child process for the small, torch-free jobs of a port chain (issue 21's overhead target).
+
+A port item runs each ONNX stage twice (local and chained) and describes each artifact once; as a
+fresh process each, those jobs spent more on Python's start, numpy and onnxruntime's imports and
+on loading the same ONNX twice than on running it (`make bench`: benchmarks/chain_overhead.py).
+The worker is one long-lived child that runs such jobs one after another, keeping what they loaded
+(harness.backends.onnx_child memoizes its sessions). Isolation is the same as a job's: a job that
+crashes the worker, or outlives its time limit (the worker is then killed), is that job's outcome,
+and the next job starts a new worker. Same files as jobs.py (job.json in, result.json and log.txt
+out), so a job's directory reads the same whichever way it ran. Only torch-free job functions are
+sent here (a worker that imported torch would make every later job's memory figure a lie).
+
+    parent: WarmWorker.run_job(function, kwargs, workdir, timeout) -> JobResult
+    child:  python -m harness.plumbing.worker   (reads one workdir per line, answers one line each)
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .files import atomic_write_json
+from .jobs import JobResult, _child, _tail, _vm_hwm_mb
+
+
+class WarmWorker:
+    """The parent's handle on one worker process (started on the first job, restarted after a crash)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.jobs_run = 0
+
+    def _start(self) -> subprocess.Popen:
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.plumbing.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        return self.proc
+
+    def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+        """`jobs.run_job`'s contract, in the warm worker."""
+        with self.lock:
+            workdir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(workdir / "job.json", {"function": function, "kwargs": kwargs})
+            (workdir / "result.json").unlink(missing_ok=True)
+            proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+            start = time.monotonic()
+            proc.stdin.write((str(workdir.resolve()) + "\n").encode())
+            proc.stdin.flush()
+            status, peak = self._wait(proc, timeout)
+            seconds = time.monotonic() - start
+            tail = _tail(workdir / "log.txt")
+            if status == "timeout":
+                return JobResult("timeout", error=f"no result after {timeout:.0f} s (warm worker killed)",
+                                 seconds=seconds, peak_rss_mb=peak, log_tail=tail)
+            if status != "done":
+                name = signal.Signals(-status).name if isinstance(status, int) and -status in \
+                    signal.Signals._value2member_map_ else str(status)
+                hint = " (killed: out of memory?)" if status == -signal.SIGKILL else ""
+                return JobResult("crashed", error=f"warm worker died with {name}{hint}", seconds=seconds,
+                                 peak_rss_mb=peak, log_tail=tail)
+            self.jobs_run += 1
+            r = json.loads((workdir / "result.json").read_text())
+            return JobResult(r["status"], value=r.get("value"), error=r.get("error", ""),
+                             traceback=r.get("traceback", ""), seconds=seconds,
+                             peak_rss_mb=max(peak, r.get("peak_rss_mb", 0.0)), log_tail=tail,
+                             extra={"warm_worker": True})
+
+    def _wait(self, proc: subprocess.Popen, timeout: float) -> tuple[str | int, float]:
+        """("done" | "timeout" | the exit status of a worker that died, peak RSS seen in /proc)."""
+        deadline = time.monotonic() + timeout
+        peak = 0.0
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.05)
+            peak = max(peak, _vm_hwm_mb(proc.pid))
+            if ready:
+                line = proc.stdout.readline()
+                if line.strip() == b"done":
+                    return "done", peak
+                proc.wait()
+                self.proc = None
+                return proc.returncode, peak
+            if time.monotonic() > deadline:
+                self.stop()
+                return "timeout", peak
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+_WORKER = WarmWorker()
+atexit.register(_WORKER.stop)
+
+
+def run_warm_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+    """Run a torch-free job function in this process's warm worker."""
+    return _WORKER.run_job(function, kwargs, Path(workdir), timeout)
+
+
+def stop_worker() -> None:
+    _WORKER.stop()
+
+
+def _serve() -> None:
+    """The worker's loop: each line names a job directory; the job's output goes to its log.txt."""
+    reply = os.fdopen(os.dup(1), "w")
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    for line in sys.stdin:
+        workdir = Path(line.strip())
+        _reset_peak()
+        log = os.open(workdir / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1), os.dup2(log, 2)
+        try:
+            _child(workdir)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(quiet, 1), os.dup2(quiet, 2)
+            os.close(log)
+        reply.write("done\n")
+        reply.flush()
+
+
+def _reset_peak() -> None:
+    """Reset this process's VmHWM, so a job's peak RSS is its own (Linux; elsewhere the worker's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    _serve()
