@@ -440,6 +440,27 @@ def test_e2e_targets_are_the_two_stages_judged_as_the_e2e_item_does(random_model
         p.numel() for p in random_model.kmodel.parameters())  # the duration stage's own, not the KModel's
     with pytest.raises(ValueError, match="dynamic mode only"):
         targets_for(random_model, ["tiny"], "e2e", mode="static")
+    # the synthesizer is fed the float16 duration stage's `d` run with the same set (the item's chained
+    # run), memoized per the part of the set that the duration stage runs; float32 `d` only when the
+    # float16 durations round differently (the item's local run)
+    from harness.precision.search import fed_inputs
+
+    synth = targets[1]
+    i = synth.step.input_names.index("d")
+    fed, how = fed_inputs(synth, ["decoder.generator.m_source"], emulate=True)
+    assert "chained" in how and "fed the float16 duration stage's d" in synth_why(result)
+    assert not torch.equal(fed[i], synth.inputs[i]) and torch.allclose(fed[i], synth.inputs[i], rtol=0.05, atol=0.05)
+    assert fed[i].half().float().equal(fed[i])  # float16 values, as the float16 stage hands them on
+    assert list(synth.fed) == [frozenset()]  # m_source is not in the duration stage: d computed once
+    fed_bert, _ = fed_inputs(synth, ["bert", "decoder.generator.m_source"], emulate=True)
+    assert frozenset({"bert"}) in synth.fed and not torch.equal(fed_bert[i], fed[i])
+    synth.fed[frozenset()] = None  # as if float16 durations rounded differently
+    assert fed_inputs(synth, [], emulate=True) == (synth.inputs, "reference d (the float16 durations round "
+                                                   "differently: the item's local run)")
+
+
+def synth_why(result) -> str:
+    return result.after[1].why
 
 
 def test_a_kept_module_keeps_the_children_that_step_code_calls_directly():
