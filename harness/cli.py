@@ -516,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p.add_argument("--depth", type=int, default=5, help="module levels below the KModel the audit looks at")
     p.add_argument("--top-k", type=int, default=4, help="candidates tried per greedy round")
     p.add_argument("--native", action="store_true", help="PyTorch's float16 CPU kernels instead of the float16 "
-                                                         "emulation (same figures, 5x slower)")
+                                                         "emulation (5x slower; an LSTM's recurrence rounds at "
+                                                         "every frame there, in one op emulated)")
     p.add_argument("--out", type=Path, default=Path("reports/precision"), help="where the keep-list and op_selector go")
     p.set_defaults(fn=cmd_precision)
     p = sub.add_parser("table", help="the step x backend table of report dirs' records (Markdown with --markdown)")

@@ -18,6 +18,7 @@ import torch
 from .plumbing import cache
 from .cases import FRAME_BUCKETS, MAX_TOKENS, TOKEN_BUCKETS, Bucket, Case, CaseError
 from .plumbing.files import atomic_write, content_key
+from .plumbing.hooks import registered
 from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, style_for
 from .patches import apply_patches, graph_code_digest, sample_noise, to_float64
 from .steps import FRAME_UNITS, NOISE_INPUTS, STEPS, Step, build_alignment, get_step
@@ -268,14 +269,9 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
 
                     hooks.append(sub.register_forward_pre_hook(lambda m, args, keep=keep: keep(args))
                                  if which == "in" else sub.register_forward_hook(lambda m, a, o, keep=keep: keep(o)))
-                try:
-                    with progress.phase("references: module captures", subject=f"{case.id} {step} {dtype}"), \
-                            torch.no_grad():
-                        s = get_step(step)
-                        s.module(km)(*traces.inputs(step, "dynamic", dtype).values())
-                finally:
-                    for h in hooks:
-                        h.remove()
+                with registered(hooks), torch.no_grad(), \
+                        progress.phase("references: module captures", subject=f"{case.id} {step} {dtype}"):
+                    get_step(step).module(km)(*traces.inputs(step, "dynamic", dtype).values())
         silent = [r for r in refs if (r, "float32") not in out]
         if silent:
             raise ValueError(f"module reference(s) {silent}: the module never ran forward on a tensor in "

@@ -72,8 +72,13 @@ def keep_tag(keep: list[str]) -> str:
 def island_nodes(graph, keep: list[str]) -> set:
     """The call_function nodes of an exported step's `graph` that compute in float32 with `keep`: the
     nodes inside the kept modules, and the data-movement nodes (views, reshapes, indexing: no
-    arithmetic) whose every user is one of them, so that an island reads a program input or another
-    island's output through them unrounded (the Generator's `f0[:, None]` before `f0_upsamp`)."""
+    arithmetic) between them, so that an island reads a program input or another island's output
+    through them unrounded (the Generator's `f0[:, None]` before `f0_upsamp`): a move joins when every
+    user is an island node, or when it reads only islands and inputs and an island or the output
+    reads it (its float16 users get a cast). The second rule is the emulation's (a move keeps the
+    precision it reads): without it the e2e synthesizer's F0, squeezed in the step's own code and
+    read by `decoder.F0_conv` (float16) and the generator (kept), reached SineGen rounded to float16:
+    audio rel L2 0.082 on the `fp16` backend where the emulation gave 0.017 (docs/precision.md)."""
     moves = {"view", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "permute", "reshape", "expand", "slice",
              "select", "clone", "alias", "t", "getitem", "split", "split_with_sizes", "chunk", "unbind", "flatten",
              "unflatten", "contiguous"}
@@ -84,14 +89,20 @@ def island_nodes(graph, keep: list[str]) -> set:
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     island = {n for n in nodes if any(node_module_path(n) == k or node_module_path(n).startswith(k + ".")
                                       for k in keep)}
-    for n in reversed(nodes):  # users first: a chain of moves into an island joins whole
-        if n not in island and op_name(n) in moves and n.users and all(u in island for u in n.users):
-            island.add(n)
-    for n in nodes:  # and a chain from an island to the program's outputs (its outputs stay float32)
-        if (n not in island and op_name(n) in moves and n.all_input_nodes and n.users
-                and all(a in island or a.op == "get_attr" for a in n.all_input_nodes)
-                and all(u in island or u.op == "output" for u in n.users)):
-            island.add(n)
+    moving = [n for n in nodes if op_name(n) in moves and n not in island]
+    grew = True
+    while grew:  # to a fixed point: a chain of moves joins whole, from either end
+        grew = False
+        for n in moving:
+            if n in island or not n.users:
+                continue
+            into = all(u in island for u in n.users)
+            out_of = (n.all_input_nodes and all(a in island or a.op in ("get_attr", "placeholder")
+                                                for a in n.all_input_nodes)
+                      and any(u in island or u.op == "output" for u in n.users))
+            if into or out_of:
+                island.add(n)
+                grew = True
     return island
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..plumbing.hooks import registered
 from .float16 import Mixed, _kmodel_path, _strip, under
 from .islands import ISLAND_PATCHES, KEEP_SCHEMA, island_nodes, node_module_path, op_selector_for, patches_for
 
@@ -75,12 +76,8 @@ def module_audit(module: torch.nn.Module, inputs: list, depth: int = 4, dtype=to
             rows[p] = row
 
         hooks.append(sub.register_forward_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            module(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+    with registered(hooks), torch.no_grad():
+        module(*inputs)
     return sorted(rows.values(), key=_audit_order)
 
 
@@ -155,16 +152,10 @@ def fed_inputs(target: Target, keep: list[str], emulate: bool) -> tuple[list, st
 
 def called_modules(module: torch.nn.Module, inputs: list) -> frozenset:
     """KModel paths of the modules a step's forward calls (one float32 pass with hooks)."""
-    seen, hooks = set(), []
-    for path, sub in module.named_modules():
-        if path and _kmodel_path(module, path):
-            hooks.append(sub.register_forward_pre_hook(lambda m, a, p=_strip(path): seen.add(p)))
-    try:
-        with torch.no_grad():
-            module(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+    seen = set()
+    with registered(sub.register_forward_pre_hook(lambda m, a, p=_strip(path): seen.add(p))
+                    for path, sub in module.named_modules() if path and _kmodel_path(module, path)), torch.no_grad():
+        module(*inputs)
     return frozenset(seen)
 
 
@@ -440,8 +431,13 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_round
             options.append(chain)
         options += [(p,) for p in enclosing(keep, tree[targets[work].step.name], root) if (p,) not in options][:1]
         up = targets[work].upstream
-        if up is not None:  # a chained synthesizer: `d`'s own error is the duration stage's to fix
-            options += [(c,) for c in ranked.get(up.step.name, []) if (c,) not in options][:1]
+        if up is not None:  # a chained synthesizer: `d`'s own error is the duration stage's to fix,
+            # by its best candidate or the whole KModel block holding it (ALBERT's float16 error
+            # reaches `d` through every layer; no single one of them fixes it)
+            best_up = next((c for c in ranked.get(up.step.name, []) if (c,) not in options), None)
+            if best_up is not None:
+                options += [o for o in dict.fromkeys([(best_up,), (best_up.split(".")[0],)])
+                            if o not in options and not under(o[0], keep)]
         if not options:
             log(f"  no candidate left for {targets[work].case}")
             stuck.add(work)

@@ -356,6 +356,42 @@ def test_the_fp16_backend_island_reads_the_input_through_the_view_in_float32():
                                ["phase", "decoder.generator.stft.analysis"])
 
 
+class SharedView(nn.Module):
+    """An island's output read through a view in the step's own code by a float16 module and by
+    another island: Kokoro's F0 (`predictor.F0_proj` -> squeeze in the e2e step -> `decoder.F0_conv`
+    in float16, and SineGen's running phase in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.side, self.phase = nn.Linear(1, 1), nn.Linear(1, 1), Phase()
+        with torch.no_grad():
+            self.proj.weight.fill_(1 + 2 ** -13)  # not a float16 number
+            self.proj.bias.zero_()
+
+    def forward(self, f):
+        f0 = self.proj(f[..., None]).squeeze(-1)  # the squeeze is no module's: float16 code
+        return self.phase(f0[:, None, :]), self.side(f0[..., None])
+
+
+def test_a_view_read_by_an_island_and_a_float16_module_stays_float32():
+    from harness.backends.fp16 import _to_dtype
+    from harness.precision.islands import island_nodes
+
+    model = SharedView().eval()
+    f = 0.05 + 1e-3 * torch.rand(1, 3000, generator=torch.Generator().manual_seed(0))
+    program = torch.export.export(copy.deepcopy(model), (f,))
+    island = island_nodes(program.graph, ["proj", "phase"])
+    assert any(n.target == torch.ops.aten.squeeze.dim for n in island)  # read by side (float16) too
+    with torch.no_grad():
+        exact = model(f)[0]
+        emulated = Mixed(model, ["proj", "phase"], emulate=True)(f)[0]
+        full = copy.deepcopy(program.module())
+        backend = keep_float32_graph(_to_dtype(program.module(), torch.float16), full, ["proj", "phase"])(f)[0]
+    # the backend's island reads f0 as the emulation's does: unrounded
+    assert float((backend.float() - exact).abs().max()) < 1e-5
+    assert float((emulated.float() - exact).abs().max()) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def tiny_generator():
     """Kokoro's own Generator, small, with random weights, in a KModel-shaped holder."""
