@@ -434,7 +434,8 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_round
         if up is not None:  # a chained synthesizer: `d`'s own error is the duration stage's to fix,
             # by its best candidate or the whole KModel block holding it (ALBERT's float16 error
             # reaches `d` through every layer; no single one of them fixes it)
-            best_up = next((c for c in ranked.get(up.step.name, []) if (c,) not in options), None)
+            best_up = next((c for c in ranked.get(up.step.name, []) if not under(c, keep) and (c,) not in options),
+                           None)
             if best_up is not None:
                 options += [o for o in dict.fromkeys([(best_up,), (best_up.split(".")[0],)])
                             if o not in options and not under(o[0], keep)]
