@@ -168,10 +168,18 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     judged_glue: set[tuple[str, str]] = set()
     app_runs: list[str] = []  # the timing tags of the runs the app makes (each stage's chained run)
     local_out: dict = {}
+    compiled_only: list[tuple[str, str]] = []  # stages compiled that this target cannot run
     for i, stage in enumerate(port.stages):
         if stage.step is not None and steps is None:
             raise PortError(f"stage {stage.name!r}, field 'step': a harness step runs on a backend; a port of "
                             f"prebuilt artifacts names an `artifact:` per stage")
+        if compiled_only:  # converting only: each stage on the reference's inputs, no glue, no chained run
+            out = run_stage(session, port, stage, {r.tensor: boundary(r.tensor, traces) for r in stage.inputs.values()},
+                            rec, item, "local", traces, valid_lengths(traces) if stage.buckets else None, {}, steps)
+            if out is None and not compiled_not_run(rec):
+                return  # a stage that does not convert: that is the verdict
+            compiled_only.append((stage.name, rec.reason))
+            continue
         # float16: the port's tolerance against the float16 floor (judge_tensor); int8: its own entry
         tol = session.profile.for_(stage.precision if stage.precision not in ("float32", "float16") else profile_step,
                                    item.backend, item.mode)
@@ -193,6 +201,9 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         meta: dict = {}
         local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces,
                               valid_lengths(traces) if stage.buckets else None, meta, steps)
+        if local_out is None and compiled_not_run(rec):  # a Core ML chain off macOS: convert every stage
+            compiled_only.append((stage.name, rec.reason))
+            continue
         if local_out is None:
             return
         if i == 0 and not glued:
@@ -229,6 +240,11 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
         row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
         rec.stages.append(row)
+    if compiled_only:
+        rec.verdict = Verdict.SKIPPED
+        rec.reason = (f"{compiled_only[0][1]}; every stage compiled: "
+                      + ", ".join(name for name, _ in compiled_only))
+        return
     if "audio" in chained:  # the app's run time: each stage's chained run, for the audio it made
         from ..model import SAMPLE_RATE
         from ..record import real_time
@@ -245,6 +261,15 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     elif rec.verdict is not Verdict.PASS:
         rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
     rec.reason = rec.reason.lstrip("; ")
+
+
+def compiled_not_run(rec) -> bool:
+    """The stage compiled (converted) but this target cannot run it (Core ML off macOS, a target
+    that is unreachable): the chain goes on converting its later stages on the reference's inputs,
+    so that such a port learns that every stage converts, not only the first."""
+    from ..verdict import Verdict
+
+    return rec.verdict is Verdict.SKIPPED and "compiled; " in (rec.reason or "")
 
 
 def boundary(name: str, traces) -> torch.Tensor:

@@ -175,6 +175,36 @@ def test_an_e2e_item_has_a_row_per_stage_judged_locally_and_chained(e2e_session,
 
 
 @pytest.mark.slow
+def test_a_backend_that_compiles_here_but_cannot_run_converts_every_stage(e2e_session, monkeypatch):
+    """Core ML off macOS: the duration stage converts and cannot run; the synthesizer is still
+    converted (on the reference's inputs), so the item says every stage converts; a stage that does
+    not convert is the verdict."""
+    from harness.runner import Item
+
+    calls = []
+
+    def execute(backend, step, inputs, patches, rec, run_name, tag=""):
+        calls.append(step)
+        if step == "synthesizer" and fail_synth:
+            rec.verdict, rec.reason = Verdict.COMPILE_ERROR, "Unsupported fx node and_1"
+        else:
+            rec.verdict, rec.reason = Verdict.SKIPPED, "compiled; Core ML prediction needs macOS (this is Linux)"
+        return None
+
+    monkeypatch.setattr(e2e_session, "execute", execute)
+    fail_synth = False
+    rec = e2e_session.run(Item("tiny", "e2e", "eager", "dynamic"))
+    assert calls == ["duration_stage", "synthesizer"]
+    assert rec.verdict is Verdict.SKIPPED and "needs macOS" in rec.reason
+    assert rec.reason.endswith("every stage compiled: duration_stage, synthesizer"), rec.reason
+    calls.clear()
+    fail_synth = True
+    rec = e2e_session.run(Item("tiny", "e2e", "eager", "dynamic"))
+    assert calls == ["duration_stage", "synthesizer"]
+    assert rec.verdict is Verdict.COMPILE_ERROR and "Unsupported fx node" in rec.reason
+
+
+@pytest.mark.slow
 def test_durations_that_differ_are_forced_in_the_judged_audio(e2e_session, monkeypatch, tmp_path):
     """A backend whose second duration rounds one frame longer: the synthesizer's local run (the
     reference's durations) is judged and passes; the app's longer audio is reported beside it."""
