@@ -17,6 +17,10 @@ equal the reference's, the chained audio is judged (it is sample-aligned with th
 when some differ, the audio's length and everything after the first difference move, so the local
 run is judged instead (a one-frame rounding change does not fail the audio) and the chained one is
 reported beside it (`audio_unforced`). Every stage's local and chained errors are in `rec.stages`.
+
+A float16 backend's item is judged, like a float16 step, against the float16 floor: float16
+eager's own e2e audio (`float16_floor_audio`) against float64; whether a listener gets usable audio
+is its `shippable` bar (the audio bars and every duration rounding as the reference's).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from .metrics.audio import audio_metrics, write_wav
 from .metrics.tensor import compare_to_floor
 from .model import SAMPLE_RATE
 from .record import Record
-from .verdict import Verdict, judge
+from .verdict import Verdict, apply_float16_floor, judge, shippable
 
 E2E_PORT = Path(__file__).parent / "data" / "ports" / "e2e.yaml"
 
@@ -60,8 +64,11 @@ def run_e2e(session, r, rec: Record) -> Record:
     try:
         variant = synthesizer_variant(rec.patches)
         refs = {"audio": synthesizer_audio(session, r.item.case, variant)} if variant else None
+        from .backends import precision_of
+
         run_chain(session, port, r.item, rec, HarnessSteps(r.backend, r.patches, r.item.mode == "static"),
-                  end=judge_e2e, profile_step="e2e", references=refs)
+                  end=functools.partial(judge_e2e, precision=precision_of(r.backend)), profile_step="e2e",
+                  references=refs)
     except PortError as e:
         rec.verdict, rec.reason = Verdict.RUN_ERROR, f"{port.source}: {e}"
     return rec
@@ -84,10 +91,47 @@ def synthesizer_audio(session, case_id: str, variant: tuple[str, ...]) -> dict[s
     return synthesizer_reference(session.model, session.cases[case_id], session.traces(case_id), variant)
 
 
-def judge_e2e(session, port, item, rec: Record, chained: dict, traces, case, local: dict) -> None:
+def float16_floor_audio(session, case_id: str, variant: tuple[str, ...]) -> torch.Tensor:
+    """float16 eager's e2e audio (the emulation of harness.precision.float16, as a step's float16
+    floor): the duration stage in float16, the synthesizer fed its `d` on the reference's alignment
+    (the reference's `d` when the float16 durations round differently: the item's local run), as the
+    item runs a float16 backend. Cached per case and variant."""
+    from .plumbing import cache
+    from .plumbing.files import atomic_write, content_key
+    from .patches import apply_patches, graph_code_digest
+    from .port.chain import glue
+    from .precision.float16 import FLOOR_VERSION, Mixed
+    from .reference import REFERENCE_PATCHES, TRACE_VERSION, as_outputs
+    from .steps import get_step
+
+    model, case, traces = session.model, session.cases[case_id], session.traces(case_id)
+    key = content_key("float16-e2e", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, torch.__version__,
+                      variant, graph_code_digest(tuple(variant)) if variant else "")
+
+    def build(tmp):
+        from . import progress
+
+        km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
+        dur, synth, chain = get_step("duration_stage"), get_step("synthesizer"), traces.chain
+        with progress.phase("references in float16", subject=f"{case_id} e2e"):
+            out = as_outputs(dur, Mixed(dur.module(km), emulate=True)(*[chain[k] for k in dur.input_names]))
+            inputs = {k: chain[k] for k in synth.input_names}
+            if torch.isfinite(out["duration"]).all() and torch.equal(
+                    glue("pred_dur", {k: v.float() for k, v in out.items()}, traces), torch.tensor(traces.pred_dur)):
+                inputs["d"] = out["d"].float().reshape(inputs["d"].shape)
+            audio = as_outputs(synth, Mixed(synth.module(km), emulate=True)(*inputs.values()))["audio"]
+        atomic_write(tmp / "audio.pt", lambda f: torch.save(audio.float(), f))
+
+    entry, _ = cache.get_or_build("variants", key, build)
+    return torch.load(entry / "audio.pt", weights_only=True)
+
+
+def judge_e2e(session, port, item, rec: Record, chained: dict, traces, case, local: dict,
+              precision: str = "float32") -> None:
     """The e2e verdict (the chain's `end`): durations compared, the judged audio (module docstring)
     against the synthesizer's eager reference with the backend's semantics-changing patches (a
-    CustomSTFT rewrite makes its own reference variant), the WAVs written."""
+    CustomSTFT rewrite makes its own reference variant), the WAVs written. A float16 backend
+    (`precision`): the verdict against the float16 floor, the audio bars as `shippable`."""
     from .port.chain import glue
 
     n = traces.valid.tokens
@@ -106,6 +150,12 @@ def judge_e2e(session, port, item, rec: Record, chained: dict, traces, case, loc
     ref = synthesizer_audio(session, item.case, synthesizer_variant(rec.patches))
     ref32, ref64 = ref["float32"], ref["float64"]
     rec.metrics["audio"] = compare_to_floor(judged, ref32, ref64)
+    rec.precision = precision
+    if precision == "float16":
+        from .metrics.tensor import error_metrics
+
+        fp16 = float16_floor_audio(session, item.case, synthesizer_variant(rec.patches))
+        apply_float16_floor(rec.metrics["audio"], error_metrics(fp16, ref64), precision)
     rec.audio_metrics["audio"] = {**audio_metrics(ref64[0].numpy(), judged[0].numpy()),
                                   "duration_s": judged.shape[-1] / SAMPLE_RATE}
     if differ:
@@ -116,7 +166,11 @@ def judge_e2e(session, port, item, rec: Record, chained: dict, traces, case, loc
             write_wav(path, wav[0].numpy())
             rec.audio[role] = path.relative_to(session.report_dir).as_posix()
     tol = session.profile.for_("e2e", item.backend, item.mode)
-    rec.verdict, rec.reason = judge(rec.metrics, tol, rec.audio_metrics, audio_only=True)
+    if precision == "float16":  # as a float16 step: "within the float16 floor", and shippable or not
+        rec.verdict, rec.reason = judge(rec.metrics, tol, None)
+        rec.shippable, rec.shippable_reason = shippable(tol, rec.audio_metrics, {"durations": (pred, pred_ref)})
+    else:
+        rec.verdict, rec.reason = judge(rec.metrics, tol, rec.audio_metrics, audio_only=True)
     if differ:
         rec.reason += (f"; {differ} of {n} durations differ from the reference (judged with them forced: "
                        f"the synthesizer's local run)")

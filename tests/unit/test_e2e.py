@@ -229,6 +229,34 @@ def test_durations_that_differ_are_forced_in_the_judged_audio(e2e_session, monke
 
 
 @pytest.mark.slow
+def test_a_float16_backends_e2e_item_is_judged_by_the_float16_floor_and_says_shippable(e2e_session, monkeypatch):
+    """As a float16 step: the verdict against float16 eager's own e2e error (the duration stage in
+    float16 feeding the synthesizer its `d`), the fp32 floor beside it, the audio bars and the
+    durations as `shippable`. The random model's float16 SineGen overflows (as the real en_long's
+    does): no float16 floor, so a finite result is "better than float16 allows" and what decides is
+    `shippable`; a NaN passes neither."""
+    from harness.e2e import float16_floor_audio
+    from harness.runner import Item
+
+    half_level = lambda step, out: [o * 0.5 for o in out] if step == "synthesizer" else out  # noqa: E731
+    for defect, ships, why in ((None, True, "<= tolerance"), (half_level, False, "finite where float16 eager is not")):
+        monkeypatch.setattr(e2e_session, "execute", in_process(e2e_session, [], defect))
+        rec = e2e_session.run(Item("tiny", "e2e", "fp16", "dynamic"))
+        m = rec.metrics["audio"]
+        assert rec.precision == "float16" and m["floor_precision"] == "float16"
+        assert m["fp16_floor_nan_rate"] > 0 and math.isnan(m["floor_rel_l2"]) and m["fp32_floor_rel_l2"] < 1e-4
+        assert rec.verdict is Verdict.PASS and why in rec.reason, rec.reason
+        assert rec.shippable is ships, rec.shippable_reason
+        assert "durations: 0 of" in rec.shippable_reason
+    floor = float16_floor_audio(e2e_session, "tiny", ())
+    assert floor.shape[-1] == e2e_session.traces("tiny").valid.frames * 600  # cached, the exact lengths
+    monkeypatch.setattr(e2e_session, "execute", in_process(e2e_session, [], lambda step, out: [
+        o.clone().index_fill_(-1, torch.tensor([100]), math.nan) for o in out] if step == "synthesizer" else out))
+    rec = e2e_session.run(Item("tiny", "e2e", "fp16", "dynamic"))
+    assert rec.verdict is Verdict.FAIL and rec.shippable is False
+
+
+@pytest.mark.slow
 def test_a_nan_in_the_audio_fails_the_item_at_the_synthesizer(e2e_session, monkeypatch):
     def nan(step, out):
         if step == "synthesizer":
