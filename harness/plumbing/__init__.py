@@ -3,5 +3,8 @@
 - `files`: atomic writes and the one function that makes content keys;
 - `cache`: content-keyed entries, built once under a lock, pruned least-recently-used first;
 - `jobs`: an export, compile or run described as files and executed in a child process;
-- `admission`: compiles wait for the memory their last run peaked at.
+- `admission`: compiles wait for the memory their last run peaked at;
+- `worker`: one warm, torch-free child that runs a port chain's small ONNX jobs one after another;
+- `targets`: where a run job executes (this machine, or a device over SSH);
+- `hooks`: forward hooks removed whatever the forward pass does.
 """
