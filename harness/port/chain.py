@@ -581,8 +581,8 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     outputs as Kokoro tensors, or None with the record's verdict set. A bucketed stage runs the
     bucket that fits, its inputs padded to it and its outputs trimmed to `valid` (valid_lengths);
     `meta[role]` records the bucket (a size, or {unit: size} with buckets per unit)."""
-    from ..backends.prebuilt import PrebuiltBackend, describe_as_json, ports_from_job
-    from ..plumbing.jobs import JobResult, cached_job, run_job
+    from ..backends.prebuilt import PrebuiltBackend, ports_from_job
+    from ..plumbing.jobs import cached_job
     from ..record import failed
     from ..verdict import Verdict
 
@@ -604,22 +604,13 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     if not ok:
         rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r}: {why}"
         return None
-    run_dir = session.report_dir / "runs" / item.id / f"{stage.name}-{role}"
-    key = backend.artifact_key()
-    described_by_key = vars(session).setdefault("described_artifacts", {})  # artifact key -> its declared ports
-    if key not in described_by_key:  # once per artifact content and session: the local and chained runs share it
-        if backend.kind == "onnx":  # a protobuf parse, already made by the port's validation (memoized)
-            described = JobResult("ok", value=describe_as_json(path))
-        else:  # a runtime's loader, which a corrupted file can crash: in a child
-            described = run_job("harness.backends.prebuilt:describe_job", dict(path=str(path)),
-                                run_dir / "describe", session.limits.run_s)
-        if not described.ok:
-            failed(rec, described, Verdict.RUN_ERROR)
-            rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"
-            return None
-        described_by_key[key] = described.value
-    ins, outs = ports_from_job(described_by_key[key])
-    entry, result = cached_job("artifacts", key, "harness.backends:compile_job",
+    declared = declared_ports(session, backend, session.report_dir / "runs" / item.id / f"{stage.name}-{role}")
+    if not declared.ok:
+        failed(rec, declared, Verdict.RUN_ERROR)
+        rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"
+        return None
+    ins, outs = ports_from_job(declared.value)
+    entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
                                session.limits.compile_s,
                                lambda tmp: dict(backend=backend.name, program_path=str(path), out_dir=str(tmp)),
                                session.counts)
@@ -658,6 +649,31 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
         if bucket is not None:
             result_values[ref.tensor] = trim(ref.tensor, result_values[ref.tensor], valid or valid_lengths(traces))
     return result_values
+
+
+def declared_ports(session, backend, run_dir: Path):
+    """An artifact's declared inputs and outputs (a job result), once per artifact content and
+    session (a stage's local and chained runs share it): an ONNX read here, a protobuf parse that
+    the port's validation already made (memoized); other formats in a child, since a runtime's
+    loader can crash on a corrupted file."""
+    from ..backends.prebuilt import describe_as_json
+    from ..plumbing.jobs import JobResult, run_job
+
+    key = backend.artifact_key()
+    described = vars(session).setdefault("described_artifacts", {})  # artifact key -> its ok result
+    if key in described:
+        return described[key]
+    if backend.kind == "onnx":
+        try:
+            result = JobResult("ok", value=describe_as_json(backend.path))
+        except Exception as e:  # noqa: BLE001 - the same error a child would report
+            result = JobResult("error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+    else:
+        result = run_job("harness.backends.prebuilt:describe_job", dict(path=str(backend.path)),
+                         run_dir / "describe", session.limits.run_s)
+    if result.ok:
+        described[key] = result
+    return result
 
 
 def run_step(session, stage: StageSpec, values: dict, rec, item, role: str, tag: str, steps: HarnessSteps,
