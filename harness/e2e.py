@@ -99,8 +99,8 @@ def float16_floor_audio(session, case_id: str, variant: tuple[str, ...]) -> torc
     from .plumbing import cache
     from .plumbing.files import atomic_write, content_key
     from .patches import apply_patches, graph_code_digest
-    from .port.chain import glue
     from .precision.float16 import FLOOR_VERSION, Mixed
+    from .precision.search import float16_d
     from .reference import REFERENCE_PATCHES, TRACE_VERSION, as_outputs
     from .steps import get_step
 
@@ -114,11 +114,10 @@ def float16_floor_audio(session, case_id: str, variant: tuple[str, ...]) -> torc
         km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
         dur, synth, chain = get_step("duration_stage"), get_step("synthesizer"), traces.chain
         with progress.phase("references in float16", subject=f"{case_id} e2e"):
-            out = as_outputs(dur, Mixed(dur.module(km), emulate=True)(*[chain[k] for k in dur.input_names]))
+            d = float16_d(dur, dur.module(km), [chain[k] for k in dur.input_names], (), True, chain["duration"])
             inputs = {k: chain[k] for k in synth.input_names}
-            if torch.isfinite(out["duration"]).all() and torch.equal(
-                    glue("pred_dur", {k: v.float() for k, v in out.items()}, traces), torch.tensor(traces.pred_dur)):
-                inputs["d"] = out["d"].float().reshape(inputs["d"].shape)
+            if d is not None:  # else the reference's `d`: the item's local run
+                inputs["d"] = d.reshape(inputs["d"].shape)
             audio = as_outputs(synth, Mixed(synth.module(km), emulate=True)(*inputs.values()))["audio"]
         atomic_write(tmp / "audio.pt", lambda f: torch.save(audio.float(), f))
 

@@ -127,8 +127,6 @@ def fed_inputs(target: Target, keep: list[str], emulate: bool) -> tuple[list, st
     synthesizer gets its duration stage's float16 `d`, run with the same set (the part of it that
     the duration stage runs; memoized per that part): before, the search judged it on float32 `d`
     and a set it found shippable failed on the `fp16` backend (MCD 0.58 dB, docs/precision.md)."""
-    from ..reference import as_outputs
-
     up = target.upstream
     if up is None or "d" not in target.step.input_names:
         return target.inputs, "reference inputs"
@@ -136,11 +134,7 @@ def fed_inputs(target: Target, keep: list[str], emulate: bool) -> tuple[list, st
         up.called = called_modules(up.module, up.inputs)
     part = frozenset(k for k in keep if any(under(c, [k]) for c in up.called))
     if part not in target.fed:
-        outs = as_outputs(up.step, Mixed(up.module, sorted(part), emulate=emulate)(*up.inputs))
-        rr = lambda x: torch.round(x.double()).clamp(min=1)  # noqa: E731
-        same = bool(torch.isfinite(outs["duration"]).all()) and torch.equal(rr(outs["duration"]),
-                                                                             rr(up.fp64["duration"]))
-        target.fed[part] = outs["d"].float() if same else None
+        target.fed[part] = float16_d(up.step, up.module, up.inputs, part, emulate, up.fp64["duration"])
     d = target.fed[part]
     if d is None:
         return target.inputs, "reference d (the float16 durations round differently: the item's local run)"
@@ -148,6 +142,21 @@ def fed_inputs(target: Target, keep: list[str], emulate: bool) -> tuple[list, st
     i = target.step.input_names.index("d")
     inputs[i] = d.to(inputs[i].dtype).reshape(inputs[i].shape)
     return inputs, "the float16 duration stage's d (the item's chained run)"
+
+
+def float16_d(step, module: torch.nn.Module, inputs: list, keep: Iterable[str], emulate: bool,
+              reference_duration: torch.Tensor) -> torch.Tensor | None:
+    """The duration stage in float16 with `keep` in float32: its `d` (float16 values, as float32)
+    when every rounded duration equals the reference's (`reference_duration`, before rounding),
+    else None. How the search feeds an e2e synthesizer and how the e2e item's float16 floor
+    (harness.e2e.float16_floor_audio) chains its two stages."""
+    from ..reference import as_outputs
+
+    outs = as_outputs(step, Mixed(module, sorted(keep), emulate=emulate)(*inputs))
+    rr = lambda x: torch.round(x.double()).clamp(min=1)  # noqa: E731 - kokoro's rounding of durations
+    if bool(torch.isfinite(outs["duration"]).all()) and torch.equal(rr(outs["duration"]), rr(reference_duration)):
+        return outs["d"].float()
+    return None
 
 
 def called_modules(module: torch.nn.Module, inputs: list) -> frozenset:
