@@ -30,19 +30,16 @@ How the graph maps back to KModel (each rule checked against this export):
 from __future__ import annotations
 
 import base64
-import copy
 import hashlib
 import importlib.metadata
 import importlib.resources
 import io
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from harness.plumbing.files import atomic_write, sha256_file
-from harness.architecture import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel, kokoro_config, strict_load  # noqa: F401
+from harness.architecture import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel
 
 # KOKORO_V1_CONFIG (checked against the ONNX by `_check_graph`) and the KModel helpers live in
 # harness.architecture; they are imported here because the rebuild validates against them.

@@ -123,6 +123,21 @@ def read_records(directory: Path) -> list[Record]:
 _JOB_VERDICTS = {"crashed": Verdict.CRASHED, "timeout": Verdict.TIMEOUT}
 
 
+_COMPILED_NOT_RUN = "compiled; "  # the reason's prefix: written and read only here
+
+
+def skip_compiled_not_run(rec: "Record", why: str) -> None:
+    """The item's artifact compiled here but its target cannot run it (Core ML off macOS, an
+    unreachable target): SKIPPED, with the compile's outcome and audit kept in the record."""
+    rec.verdict, rec.reason = Verdict.SKIPPED, f"{_COMPILED_NOT_RUN}{why}"
+
+
+def compiled_not_run(rec: "Record") -> bool:
+    """Whether the item was skipped so (a port chain then goes on converting its later stages);
+    the chain prefixes the stage's name to the reason, so the marker may be anywhere in it."""
+    return rec.verdict is Verdict.SKIPPED and _COMPILED_NOT_RUN in (rec.reason or "")
+
+
 def failed(rec: "Record", result, error_verdict: Verdict) -> None:
     """A job (harness.plumbing.jobs.JobResult) that did not succeed: crashed and timed-out jobs say so, anything else is the phase's error."""
     rec.failed(_JOB_VERDICTS.get(result.status, error_verdict), result.error, result.log_tail)

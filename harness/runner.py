@@ -17,7 +17,7 @@ from .backends import Backend, get_backend
 from .cases import Case, case_dirs, configured_dirs, load_cases
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
 from .plumbing.jobs import cached_job
-from .record import Record, backend_label, failed, item_id, versions
+from .record import Record, backend_label, failed, item_id, skip_compiled_not_run, versions
 from .reference import MODES
 from .verdict import Profile, Verdict
 
@@ -216,13 +216,15 @@ class Session:
             if not ok:
                 rec.verdict, rec.reason = Verdict.SKIPPED, f"not compiled: compiles on the target; {why}"
                 return None
+        if target.kind == "local" and target.runnable(backend)[0]:
+            target.prestart(run_preload(backend))  # the run's process imports while the compile runs
         artifact_dir = self.artifact(backend, step, program_dir, program_key, rec, tag, target if on_target else None)
         if artifact_dir is None:
             return None
         ok, why = target.runnable(backend)  # on a remote target: its probe (reachable, package, OS)
         rec.target.update(target.describe())
         if not ok:  # compiled (its outcome and audit recorded), cannot run on this machine / that target
-            rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; {why}"
+            skip_compiled_not_run(rec, why)
             return None
         return self.run_artifact(backend, artifact_dir / backend.artifact_name, inputs, rec, run_name, tag)
 
@@ -309,9 +311,10 @@ class Session:
                                              outputs_path=str(run_dir / f"outputs{ext}")),
                                         run_dir, self.limits.run_s,
                                         files=dict(artifact_path="artifact_entry", inputs_path="input",
-                                                   outputs_path="output"), warm=onnx)
+                                                   outputs_path="output"), warm=onnx,
+                                        preload=None if onnx else run_preload(backend))
         except TargetUnreachable as e:
-            rec.verdict, rec.reason = Verdict.SKIPPED, f"compiled; target {target.name!r} unreachable: {e}"
+            skip_compiled_not_run(rec, f"target {target.name!r} unreachable: {e}")
             return None
         self.counts["runs"] += 1
         rec.timings[f"{tag}run_s"] = result.value["run_s"] if result.ok else result.seconds
@@ -357,6 +360,11 @@ class Session:
             wavs = {n: (refs.fp64[n], out) for n, out in zip(names, outputs) if n in audio_names}
             rec.audio.update(write_audio(self.report_dir, item.id, wavs, valid))
         return rec
+
+
+def run_preload(backend: Backend) -> dict:
+    """What a local run job's process imports before its job arrives (harness.plumbing.worker)."""
+    return {"function": "harness.backends:prepare_run", "kwargs": {"backend": backend.name}}
 
 
 def audio_metrics_of(names: list[str], outputs: dict, reference: dict, valid) -> dict:

@@ -45,6 +45,12 @@ SCAN_LSTM = Workaround(
     "unrolled_lstm writes it, so the graph, its lowering time and its lowering memory grow with the bucket "
     "(f0n static: 8.6 GB at 384 frames)", "executorch 1.5.1",
     "no bundle yet (docs/performance.md, LSTM cost against T)", patch="scan_lstm", kind="performance")
+STFT_PHASE_WHERE = Workaround(
+    "stft_phase_where", "CustomSTFT's `phase[mask] = pi` is a boolean index_put that XNNPACK does not take; "
+    "the portable index_put.out's time grows as elements x selected elements (54 % of en_short's decoder run; "
+    "torch.where computes the same values in milliseconds)", "executorch 1.5.1",
+    "no bundle yet (docs/performance.md, benchmarks/etdump_index_put.py)", patch="stft_phase_where",
+    kind="performance")
 CONTROL_FLOW_PARTITIONER = Workaround(
     "control_flow_partitioner", "XnnpackPartitioner tags the top-level graph only: the body of a scan "
     "(scan_lstm's LSTM cell) stays on portable kernels, op by op at every step", "executorch 1.5.1",
@@ -74,9 +80,12 @@ class XnnpackBackend(Backend):
     # lowering stays flat in T (en_long's f0n: 1.7 GB instead of ~35 GB); the control-flow
     # partitioner puts that body in the delegate (docs/performance.md, LSTM cost against T). The
     # portable backend inherits both patches, so both run the same program.
-    patches = EXECUTORCH_PATCHES + ("scan_lstm",)
-    workarounds = {w.name: w for w in (UNROLLED_LSTM, SCAN_LSTM, CONTROL_FLOW_PARTITIONER)}
+    # stft_phase_where: the STFT's phase correction as torch.where, so that it is not a portable
+    # index_put whose time grows with the square of the audio's length (docs/performance.md).
+    patches = EXECUTORCH_PATCHES + ("scan_lstm", "stft_phase_where")
+    workarounds = {w.name: w for w in (UNROLLED_LSTM, SCAN_LSTM, STFT_PHASE_WHERE, CONTROL_FLOW_PARTITIONER)}
     artifact_name = "program.pte"
+    run_imports = ("executorch.runtime",)
     description = "ExecuTorch with the XNNPACK delegate"
 
     def disabled_workarounds(self) -> set[str]:
@@ -157,8 +166,9 @@ class PortableBackend(XnnpackBackend):
 
     repro_partitioner = dict(partitioner_name="no delegate: portable kernels", partitioners="[]", partitioner_import="")
     # unrolled_lstm is kept so that it runs xnnpack's program, not as a workaround; scan_lstm is one
-    # here too (portable's unrolled lowering grows with T as well: docs/performance.md)
-    workarounds = {"scan_lstm": SCAN_LSTM}
+    # here too (portable's unrolled lowering grows with T as well: docs/performance.md), and so is
+    # stft_phase_where (the slow index_put is a portable kernel either way)
+    workarounds = {"scan_lstm": SCAN_LSTM, "stft_phase_where": STFT_PHASE_WHERE}
 
     def partitioners(self) -> list:
         return []

@@ -133,6 +133,7 @@ class OnnxRuntimeBackend(Backend):
     run_requires = ("onnxruntime",)  # onnx and onnxscript export on the host; a target runs the .onnx
     patches = ONNX_PATCHES
     artifact_name = ONNX_NAME
+    run_imports = ("onnxruntime",)
     audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate"}
     audit_requires = ("onnxscript",)  # the exporter's registry; tvm-onnx shares this audit of a program
     description = "torch.onnx.export (dynamo, TorchScript fallback) -> onnxruntime CPU"
@@ -186,6 +187,7 @@ class TvmOnnxBackend(Backend):
                    "apache-tvm 0.27.0.post1", "no bundle yet", patch="stft_phase_where"),
     )}
     artifact_name = "model.so"
+    run_imports = ("tvm", "tvm.relax")
     description = "the ONNX file of `onnxruntime` through TVM Relax's ONNX frontend (llvm, Relax VM)"
 
     def version(self) -> str:

@@ -125,6 +125,7 @@ class TvmBackend(Backend):
     requires = ("tvm",)
     patches = COMMON_PATCHES + TVM_PATCHES
     artifact_name = "model.so"
+    run_imports = ("tvm", "tvm.relax")
     workarounds = TVM_WORKAROUNDS
     audit_labels = {"ops_without_converter": "ops without a TVM converter"}
     description = f"Apache TVM Relax (from_exported_program, target {TARGET}, Relax VM)"

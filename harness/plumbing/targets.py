@@ -211,11 +211,15 @@ class Target:
     kind = "local"
 
     def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float,
-                files: dict[str, str] | None = None, warm: bool = False) -> JobResult:
+                files: dict[str, str] | None = None, warm: bool = False, preload: dict | None = None) -> JobResult:
         """`jobs.run_job`, wherever the target is. `files`: kwarg name -> "artifact" | "input" |
         "output" for the kwargs that are paths (the remote run gets its own paths for them).
-        `warm`: a torch-free job that may run in a warm worker (harness.plumbing.worker)."""
+        `warm`: a torch-free job that may run in a warm worker (harness.plumbing.worker);
+        `preload`: what the job's process may import before it (a spare `prestart`ed for it)."""
         raise NotImplementedError
+
+    def prestart(self, preload: dict) -> None:
+        """A job with this `preload` will follow: start its process now, where that helps."""
 
     def runnable(self, backend) -> tuple[bool, str]:
         """Whether the backend's run phase can execute on this target."""
@@ -233,12 +237,21 @@ class LocalTarget(Target):
     def __init__(self) -> None:
         self._info: dict | None = None
 
-    def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False) -> JobResult:
+    def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False, preload=None) -> JobResult:
         if warm:
             from .worker import run_warm_job
 
             return run_warm_job(function, kwargs, workdir, timeout)
+        if preload:
+            from .worker import run_spare_job
+
+            return run_spare_job(preload, function, kwargs, workdir, timeout)
         return run_job(function, kwargs, workdir, timeout)
+
+    def prestart(self, preload: dict) -> None:
+        from .worker import prestart
+
+        prestart(preload)
 
     def runnable(self, backend) -> tuple[bool, str]:
         return backend.runnable()
@@ -417,7 +430,7 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
         return out
 
     # -- a job ----------------------------------------------------------------------------------------------
-    def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False) -> JobResult:
+    def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False, preload=None) -> JobResult:
         """Ship, run, fetch. A transport failure during the job is retried once, then the job is
         `crashed` with the reason; TargetUnreachable when it never started."""
         last = ""

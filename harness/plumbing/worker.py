@@ -1,4 +1,5 @@
-"""A warm child process for the small, torch-free jobs of a port chain (issue 21's overhead target).
+"""Child processes started before their job: a warm worker for the small, torch-free jobs of a port
+chain (issue 21's overhead target), and a one-job spare for a compiled artifact's run (issue 19's).
 
 A port item runs each ONNX stage twice (local and chained) and describes each artifact once; as a
 fresh process each, those jobs spent more on Python's start, numpy and onnxruntime's imports and
@@ -10,8 +11,14 @@ and the next job starts a new worker. Same files as jobs.py (job.json in, result
 out), so a job's directory reads the same whichever way it ran. Only torch-free job functions are
 sent here (a worker that imported torch would make every later job's memory figure a lie).
 
+A spare (`prestart`, `run_spare_job`) is a worker that serves one job and exits: started while the
+artifact compiles, it imports torch and the runtime (`preload`, 3-6 s for ExecuTorch) on the other
+core, so the run job that follows pays for the run only. One job per process keeps a run's
+isolation and its memory figure exactly a fresh process's.
+
     parent: WarmWorker.run_job(function, kwargs, workdir, timeout) -> JobResult
-    child:  python -m harness.plumbing.worker   (reads one workdir per line, answers one line each)
+    child:  python -m harness.plumbing.worker [PRELOAD_JSON [MAX_JOBS]]
+            (reads one workdir per line, answers one line each)
 """
 from __future__ import annotations
 
@@ -34,16 +41,35 @@ from .jobs import JobResult, _child, _tail, _vm_hwm_mb
 class WarmWorker:
     """The parent's handle on one worker process (started on the first job, restarted after a crash)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: dict | None = None, max_jobs: int = 0) -> None:
+        """`preload`: {"function": "module:function", "kwargs": {...}} the child calls before its
+        first job; `max_jobs`: the child exits after that many jobs (0: never)."""
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.jobs_run = 0
+        self.preload, self.max_jobs = preload, max_jobs
+        self._served = 0  # jobs the current process has served
+        self.label = "child" if max_jobs == 1 else "warm worker"  # what an error message calls it
+        self.env: dict[str, str] = {}
 
     def _start(self) -> subprocess.Popen:
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.plumbing.worker"], stdin=subprocess.PIPE,
+        argv = [json.dumps(self.preload or {}), str(self.max_jobs)]
+        self.env = dict(os.environ)  # a job's environment is the one its process started with
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.plumbing.worker", *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                                     env={**self.env, "PYTHONWARNINGS": "ignore"})
+        self._served = 0
         return self.proc
+
+    def serves(self, preload: dict) -> bool:
+        """Whether this (started) worker's process fits a job with `preload` in today's environment."""
+        return self.preload == preload and (self.proc is None or self.env == dict(os.environ))
+
+    def start(self) -> None:
+        """Start the process now (its preload runs while the parent does other work)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
 
     def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
         """`jobs.run_job`'s contract, in the warm worker."""
@@ -59,15 +85,20 @@ class WarmWorker:
             seconds = time.monotonic() - start
             tail = _tail(workdir / "log.txt")
             if status == "timeout":
-                return JobResult("timeout", error=f"no result after {timeout:.0f} s (warm worker killed)",
+                return JobResult("timeout", error=f"no result after {timeout:.0f} s ({self.label} killed)",
                                  seconds=seconds, peak_rss_mb=peak, log_tail=tail)
             if status != "done":
                 name = signal.Signals(-status).name if isinstance(status, int) and -status in \
                     signal.Signals._value2member_map_ else str(status)
                 hint = " (killed: out of memory?)" if status == -signal.SIGKILL else ""
-                return JobResult("crashed", error=f"warm worker died with {name}{hint}", seconds=seconds,
+                return JobResult("crashed", error=f"{self.label} died with signal {name}{hint}", seconds=seconds,
                                  peak_rss_mb=peak, log_tail=tail)
             self.jobs_run += 1
+            self._served += 1
+            if self.max_jobs and self._served >= self.max_jobs:  # the child exits after its last job
+                proc.stdin.close()
+                proc.wait()
+                self.proc = None
             r = json.loads((workdir / "result.json").read_text())
             return JobResult(r["status"], value=r.get("value"), error=r.get("error", ""),
                              traceback=r.get("traceback", ""), seconds=seconds,
@@ -103,7 +134,6 @@ class WarmWorker:
 
 
 _WORKER = WarmWorker()
-atexit.register(_WORKER.stop)
 
 
 def run_warm_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
@@ -111,14 +141,57 @@ def run_warm_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: 
     return _WORKER.run_job(function, kwargs, Path(workdir), timeout)
 
 
+_SPARE: WarmWorker | None = None  # at most one waiting spare (a run process holds torch: ~0.5 GB)
+
+
+def prestart(preload: dict) -> None:
+    """Start a one-job spare that preloads `preload` now, for a run job that will follow; a spare
+    waiting with another preload is stopped (a job runs only where its own imports were made)."""
+    global _SPARE
+    if _SPARE is not None and not _SPARE.serves(preload):
+        _SPARE.stop()
+        _SPARE = None
+    if _SPARE is None:
+        _SPARE = WarmWorker(preload, max_jobs=1)
+    _SPARE.start()
+
+
+def run_spare_job(preload: dict, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+    """Run one job in the spare started for `preload` (else in one started now: a fresh process's
+    cost, its imports inside the job's seconds)."""
+    global _SPARE
+    spare = _SPARE if _SPARE is not None and _SPARE.serves(preload) else WarmWorker(preload, max_jobs=1)
+    if _SPARE is not None and spare is not _SPARE:
+        _SPARE.stop()  # started for another job, or before the environment changed
+    _SPARE = None
+    try:
+        result = spare.run_job(function, kwargs, Path(workdir), timeout)
+    finally:
+        spare.stop()
+    result.extra.pop("warm_worker", None)
+    return result
+
+
 def stop_worker() -> None:
+    """Stop the warm worker and a waiting spare."""
+    global _SPARE
     _WORKER.stop()
+    if _SPARE is not None:
+        _SPARE.stop()
+        _SPARE = None
 
 
-def _serve() -> None:
+atexit.register(stop_worker)
+
+
+def _serve(preload: dict | None = None, max_jobs: int = 0) -> None:
     """The worker's loop: each line names a job directory; the job's output goes to its log.txt."""
     reply = os.fdopen(os.dup(1), "w")
     quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1), os.dup2(quiet, 2)  # the preload's prints must not reach the reply pipe
+    if preload:
+        _preload(preload)
+    served = 0
     for line in sys.stdin:
         workdir = Path(line.strip())
         _reset_peak()
@@ -132,6 +205,20 @@ def _serve() -> None:
             os.close(log)
         reply.write("done\n")
         reply.flush()
+        served += 1
+        if max_jobs and served >= max_jobs:
+            return
+
+
+def _preload(preload: dict) -> None:
+    """Call the preload function; a failure is left for the job itself to meet and report."""
+    import importlib
+
+    try:
+        module, _, name = preload["function"].partition(":")
+        getattr(importlib.import_module(module), name)(**preload.get("kwargs", {}))
+    except Exception:
+        pass
 
 
 def _reset_peak() -> None:
@@ -144,4 +231,4 @@ def _reset_peak() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None, int(sys.argv[2]) if len(sys.argv) > 2 else 0)

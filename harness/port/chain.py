@@ -31,6 +31,7 @@ from . import tensors
 from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
 
 from ..model import SAMPLES_PER_FRAME
+from ..record import compiled_not_run
 
 MAX_SHIFT = 64  # samples (or positions) tried when naming a difference a shift
 
@@ -261,15 +262,6 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     elif rec.verdict is not Verdict.PASS:
         rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
     rec.reason = rec.reason.lstrip("; ")
-
-
-def compiled_not_run(rec) -> bool:
-    """The stage compiled (converted) but this target cannot run it (Core ML off macOS, a target
-    that is unreachable): the chain goes on converting its later stages on the reference's inputs,
-    so that such a port learns that every stage converts, not only the first."""
-    from ..verdict import Verdict
-
-    return rec.verdict is Verdict.SKIPPED and "compiled; " in (rec.reason or "")
 
 
 def boundary(name: str, traces) -> torch.Tensor:

@@ -518,6 +518,22 @@ def test_a_crashing_item_is_recorded_and_the_next_item_runs(tiny_session):
 
 
 @pytest.mark.slow
+def test_a_local_run_gets_a_process_started_before_its_compile(tiny_session, monkeypatch):
+    """The run's process imports torch and the runtime while the artifact compiles (issue 19's
+    harness/bare target)."""
+    from harness.plumbing import worker
+    from harness.runner import Item, run_preload
+    from harness.verdict import Verdict
+
+    started = []
+    real = worker.prestart
+    monkeypatch.setattr(worker, "prestart", lambda preload: (started.append(preload), real(preload)))
+    rec = tiny_session.run(Item("tiny", "text_encoder", "example-interpreter", "dynamic"))
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert started == [run_preload(get_backend("example-interpreter"))] and worker._SPARE is None  # used
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS Core ML runs")
 def test_coreml_item_is_skipped_with_its_conversion_recorded(tiny_session):
     pytest.importorskip("coremltools")

@@ -59,3 +59,61 @@ def test_a_hang_is_killed_at_its_time_limit(worker, tmp_path):
     assert r.status == "timeout" and time.monotonic() - start < 60
     after = worker.run_job(f"{HERE}:pid_job", {"tag": "b"}, tmp_path / "b", timeout=120)
     assert after.ok
+
+
+# ---- the one-job spare of a compiled artifact's run -------------------------------------------
+
+def slow_preload(seconds: float, mark: str) -> None:
+    """A preload that takes time (as torch and a runtime's imports do) and leaves a mark."""
+    time.sleep(seconds)
+    os.environ["KP_TEST_PRELOADED"] = mark
+
+
+def preloaded_job() -> dict:
+    print("preloaded job runs")
+    return {"pid": os.getpid(), "mark": os.environ.get("KP_TEST_PRELOADED")}
+
+
+def test_a_prestarted_spare_does_its_preload_before_the_job_and_serves_one_job(tmp_path):
+    from harness.plumbing import worker
+
+    preload = {"function": f"{HERE}:slow_preload", "kwargs": {"seconds": 3.0, "mark": "yes"}}
+    try:
+        worker.prestart(preload)
+        time.sleep(6)  # the parent's compile
+        a = worker.run_spare_job(preload, f"{HERE}:preloaded_job", {}, tmp_path / "a", timeout=120)
+        assert a.ok and a.value["mark"] == "yes" and a.value["pid"] != os.getpid()
+        assert a.seconds < 2.5, a.seconds  # the preload's 3 s were spent before the job
+        assert "preloaded job runs" in (tmp_path / "a" / "log.txt").read_text()
+        assert worker._SPARE is None  # used up: the next job gets a new process
+        # without a prestart, the job pays for its process's preload, as a fresh process would
+        b = worker.run_spare_job(preload, f"{HERE}:preloaded_job", {}, tmp_path / "b", timeout=120)
+        assert b.ok and b.value["pid"] != a.value["pid"] and b.seconds >= 3.0
+    finally:
+        worker.stop_worker()
+
+
+def test_a_spare_started_before_the_environment_changed_is_not_used(tmp_path, monkeypatch):
+    from harness.plumbing import worker
+
+    preload = {"function": f"{HERE}:slow_preload", "kwargs": {"seconds": 0.0, "mark": "x"}}
+    try:
+        worker.prestart(preload)
+        first = worker._SPARE.proc.pid
+        monkeypatch.setenv("KP_TEST_SWITCH", "on")  # e.g. a workaround switched off in between
+        r = worker.run_spare_job(preload, f"{HERE}:env_job", {}, tmp_path / "r", timeout=120)
+        assert r.ok and r.value["switch"] == "on" and r.value["pid"] != first
+    finally:
+        worker.stop_worker()
+
+
+def env_job() -> dict:
+    return {"pid": os.getpid(), "switch": os.environ.get("KP_TEST_SWITCH")}
+
+
+def test_a_crashing_spare_job_reads_like_a_crashed_child(tmp_path):
+    from harness.plumbing import worker
+
+    r = worker.run_spare_job({"function": f"{HERE}:slow_preload", "kwargs": {"seconds": 0.0, "mark": "x"}},
+                             f"{JOBS}:segfault_job", {}, tmp_path / "s", timeout=120)
+    assert r.status == "crashed" and r.error.startswith("child died with signal SIGSEGV")
