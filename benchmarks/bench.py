@@ -54,7 +54,7 @@ def per_item(report_dir: Path) -> list[dict]:
                      "compile_s": t.get("compile_s"), "run_s": t.get("run_s"), "run_job_s": t.get("run_job_s"),
                      "peak_compile_mb": r.peak_rss_mb.get("compile"), "peak_run_mb": r.peak_rss_mb.get("run"),
                      "artifact_mb": (r.artifact_bytes or 0) / 2**20,
-                     "rtf": (audio_s / t["run_s"]) if audio_s and t.get("run_s") else None})
+                     "rtf": (t["run_s"] / audio_s) if audio_s and t.get("run_s") else None})
     return rows
 
 
