@@ -119,8 +119,11 @@ class Bisector:
     def probe(self, phase: str, label: str, outputs: list[str], stop=(), feed: dict | None = None,
               keep: bool = False, backend=None) -> Probe:
         """Run one probe (`probe.run_probe`); its output values are kept only with `keep`."""
-        p = run_probe(self.graph, backend or self.backend, self.check, self.limits,
-                      self.run_root / backend.name if backend else self.run_root, phase, label, outputs, stop, feed)
+        from .. import progress
+
+        with progress.phase(f"bisecting ({phase} probe {len(self.probes) + 1}: {label})"):
+            p = run_probe(self.graph, backend or self.backend, self.check, self.limits,
+                          self.run_root / backend.name if backend else self.run_root, phase, label, outputs, stop, feed)
         if not keep:
             p.values = {}
         compiled = p.compile == "miss"

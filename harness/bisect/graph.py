@@ -162,12 +162,15 @@ class StepGraph:
         cache = self._values.setdefault(dtype, {})
         missing = [n for n in dict.fromkeys(names) if n not in cache and n not in self.inputs]
         if missing:  # from the values already known (the same ops on the same inputs: the same values)
-            gm, inputs = self.carve(missing, list(cache))
-            if any(i not in cache and i not in self.inputs for i in inputs):  # a value mutated in place
-                gm, inputs = self.carve(missing)  # was pulled inside: from the step's inputs then
-            args = [cache[i] if i in cache else self.inputs[i] for i in inputs]
-            for name, v in zip(missing, evaluate(gm, args, dtype)):
-                cache[name] = v
+            from .. import progress
+
+            with progress.phase(f"bisecting (references of {len(missing)} nodes in {dtype})"):
+                gm, inputs = self.carve(missing, list(cache))
+                if any(i not in cache and i not in self.inputs for i in inputs):  # a value mutated in place
+                    gm, inputs = self.carve(missing)  # was pulled inside: from the step's inputs then
+                args = [cache[i] if i in cache else self.inputs[i] for i in inputs]
+                for name, v in zip(missing, evaluate(gm, args, dtype)):
+                    cache[name] = v
         own = lambda n: self.inputs[n].double() if dtype == "float64" and self.inputs[n].is_floating_point() \
             else self.inputs[n]  # noqa: E731
         return [own(n) if n in self.inputs else cache[n] for n in names]

@@ -192,7 +192,13 @@ def test_record_and_report_carry_the_bisection():
 def test_clean_backend_localizes_nothing(programs, env, tmp_path):
     """~30 s: one program tapping every module cut passes, so there is nothing to name or bundle;
     the module table reads PASS for every module, from that one compile."""
-    result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth=1)
+    from harness import progress
+
+    lines: list[str] = []
+    with progress.displayed(progress.PlainLines(lines.append)):  # a bisection says what it does
+        result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth=1)
+    assert any("bisecting (module probe 1: " in line and "done in" in line for line in lines), lines
+    assert any("bisecting (references of " in line for line in lines), lines
     assert result["status"] == "not_localized"
     assert result["first_module"] is None and len(result["modules"]) == 6 and result["module_compiles"] == 1
     assert all(r["status"] == "pass" for r in result["modules"])
