@@ -159,6 +159,22 @@ class PhaseCumsum(nn.Module):
     def forward(self, rad_values):
         return torch.cumsum(rad_values, dim=1)
 
+class InstanceNorm(nn.Module):
+    """AdaIN1d's normalization: `nn.InstanceNorm1d(channels, affine=True)` at its initial affine."""
+
+    def __init__(self, channels: int = 1):
+        super().__init__()
+        self.norm = nn.InstanceNorm1d(channels, affine=True)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def _long_channel():
+    """One channel of 4,096 samples, mean 100, std 0.01 (its float32 one-pass variance: -0.03)."""
+    return (100 + 0.01 * torch.randn(1, 1, 4096, generator=_gen()),)
+
+
 def _transposed_phase():
     """The [1, N, 1] operand as SineGen's graph hands it over: a transposed view, strides (N, 1, N)."""
     phase = torch.randn(1, 1, 2000, generator=_gen()).transpose(1, 2)
@@ -376,6 +392,29 @@ def check_float16(program, inputs, expected):
 
 # ---- the defects ------------------------------------------------------------------------------
 
+def check_executorch_instance_norm(program, inputs, expected):
+    """ExecuTorch's portable InstanceNorm (XNNPACK leaves it there): NaN, or an error far beyond
+    PyTorch float32's, where the variance cancels in one pass."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    buffer = to_edge_transform_and_lower(program, partitioner=[]).to_executorch().buffer
+    got = torch.as_tensor(Runtime.get().load_program(buffer).load_method("forward").execute(
+        [t.contiguous() for t in inputs])[0])
+    with torch.no_grad():
+        ours = program.module()(*[t.clone() for t in inputs])
+    ref = expected[0]
+    floor = float((ours.double() - ref).norm() / ref.norm())
+    nan = float(torch.isnan(got).float().mean())
+    if nan:
+        return 1, (f"REPRODUCED: {nan:.0%} NaN where PyTorch float32 is within rel_l2 {floor:.1e} of float64: the "
+                   f"variance, E[x^2] - E[x]^2 from float32 sums, is negative")
+    err = float((got.double() - ref).norm() / ref.norm())
+    if err > 4 * floor:
+        return 1, f"REPRODUCED: rel_l2 {err:.3e} against PyTorch float32's {floor:.3e} (one-pass variance)"
+    return 0, f"FIXED: rel_l2 {err:.3e}, PyTorch float32 {floor:.3e}"
+
+
 @dataclass(frozen=True)
 class Defect:
     name: str  # the bundle's directory: <runtime>-<short-name>
@@ -479,6 +518,14 @@ DEFECTS = [
            lambda: (PhaseCumsum(), _phase_increments()), check_executorch_cumsum,
            ("kokoro/istftnet.py", "phase = torch.cumsum(rad_values, dim=1) * 2 * torch.pi"), "aten.cumsum.default",
            "none (harmless on short inputs; grows with the length: keep the phase in float64 or wrap it)", _ET),
+    Defect("executorch-instancenorm-variance", "ExecuTorch: InstanceNorm returns NaN on a long channel (one-pass "
+           "float32 variance)", "executorch", "executorch", "numerics", "NaN",
+           lambda: (InstanceNorm(), _long_channel()), check_executorch_instance_norm,
+           ("kokoro/istftnet.py", "self.norm = nn.InstanceNorm1d(num_features, affine=True)"),
+           "aten._native_batch_norm_legit.no_stats", "xnnpack, portable: instance_norm_float64_stats (patch)", _ET,
+           (("https://github.com/pytorch/executorch/blob/main/kernels/portable/cpu/op_native_batch_norm.cpp",
+             "the kernel (main, 2026-08): per-channel sums of x and x*x in float (vec_ops.h: reduce_add, "
+             "vec_powerf), then var = E[x^2] - E[x]^2 and 1/sqrt(var + eps)"),)),
     Defect("torch-fp16-sinegen-phase", "Kokoro's SineGen phase overflows float16 on utterances over ~6 s",
            "torch", "torch", "numerics", "non-finite",
            lambda: (SinePhase(), (torch.full((1, 24000 * 7, 1), 9 * 200.0),)), check_float16,

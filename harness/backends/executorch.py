@@ -51,6 +51,11 @@ STFT_PHASE_WHERE = Workaround(
     "torch.where computes the same values in milliseconds)", "executorch 1.5.1",
     "no bundle yet (docs/performance.md, benchmarks/etdump_index_put.py)", patch="stft_phase_where",
     kind="performance")
+INSTANCE_NORM_FLOAT64_STATS = Workaround(
+    "instance_norm_float64_stats", "the portable InstanceNorm (_native_batch_norm_legit.no_stats, left outside "
+    "the XNNPACK delegate) takes var = E[x^2] - E[x]^2 from sequential float sums: negative on a long channel with "
+    "a large mean, so 1/sqrt(var + eps) is NaN (en_long's static generator: 100 % NaN audio)", "executorch 1.5.1",
+    "docs/upstream/executorch-instancenorm-variance/", patch="instance_norm_float64_stats")
 CONTROL_FLOW_PARTITIONER = Workaround(
     "control_flow_partitioner", "XnnpackPartitioner tags the top-level graph only: the body of a scan "
     "(scan_lstm's LSTM cell) stays on portable kernels, op by op at every step", "executorch 1.5.1",
@@ -82,8 +87,11 @@ class XnnpackBackend(Backend):
     # portable backend inherits both patches, so both run the same program.
     # stft_phase_where: the STFT's phase correction as torch.where, so that it is not a portable
     # index_put whose time grows with the square of the audio's length (docs/performance.md).
-    patches = EXECUTORCH_PATCHES + ("scan_lstm", "stft_phase_where")
-    workarounds = {w.name: w for w in (UNROLLED_LSTM, SCAN_LSTM, STFT_PHASE_WHERE, CONTROL_FLOW_PARTITIONER)}
+    # instance_norm_float64_stats: the InstanceNorms' statistics in float64, since the portable kernel's
+    # one-pass variance is NaN on long channels (docs/upstream/executorch-instancenorm-variance/).
+    patches = EXECUTORCH_PATCHES + ("scan_lstm", "stft_phase_where", "instance_norm_float64_stats")
+    workarounds = {w.name: w for w in (UNROLLED_LSTM, SCAN_LSTM, STFT_PHASE_WHERE, INSTANCE_NORM_FLOAT64_STATS,
+                                       CONTROL_FLOW_PARTITIONER)}
     artifact_name = "program.pte"
     run_imports = ("executorch.runtime",)
     description = "ExecuTorch with the XNNPACK delegate"
@@ -168,7 +176,8 @@ class PortableBackend(XnnpackBackend):
     # unrolled_lstm is kept so that it runs xnnpack's program, not as a workaround; scan_lstm is one
     # here too (portable's unrolled lowering grows with T as well: docs/performance.md), and so is
     # stft_phase_where (the slow index_put is a portable kernel either way)
-    workarounds = {"scan_lstm": SCAN_LSTM, "stft_phase_where": STFT_PHASE_WHERE}
+    workarounds = {"scan_lstm": SCAN_LSTM, "stft_phase_where": STFT_PHASE_WHERE,
+                   "instance_norm_float64_stats": INSTANCE_NORM_FLOAT64_STATS}
 
     def partitioners(self) -> list:
         return []

@@ -39,10 +39,11 @@ def half_program(program):
 class XnnpackFp16Backend(XnnpackBackend):
     name = "xnnpack-fp16"
     precision = "float16"
-    # no scan_lstm (the float16 re-export of a scan is unmeasured), no stft_phase_where (its float16
-    # programs were measured without it)
+    # no scan_lstm (the float16 re-export of a scan is unmeasured), no stft_phase_where nor
+    # instance_norm_float64_stats (its float16 programs were measured without them)
     patches = EXECUTORCH_PATCHES
-    workarounds = {n: w for n, w in XnnpackBackend.workarounds.items() if n not in ("scan_lstm", "stft_phase_where")}
+    workarounds = {n: w for n, w in XnnpackBackend.workarounds.items()
+                   if n not in ("scan_lstm", "stft_phase_where", "instance_norm_float64_stats")}
     description = "ExecuTorch XNNPACK on the program cast to float16 (judged by the float16 floor)"
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:

@@ -1,4 +1,4 @@
-"""Patches for frontend gaps of particular backends (TVM Relax, ONNX, Core ML).
+"""Patches for frontend gaps and kernel defects of particular backends (TVM Relax, ONNX, Core ML, ExecuTorch).
 
 Each rewrites a spot of Kokoro that a converter mistranslates into an equivalent the converter
 takes, so that the failure is recorded as the backend's known gap with its fix, not as the
@@ -92,3 +92,33 @@ def _unrolled_lstm(model: nn.Module) -> None:
     current = getattr(model, "_parity_run_lstm", None)
     if current is not run_length_aware:  # padded (no_packing) stays padded; packing becomes length-aware
         set_lstm_strategy(model, run_full_length if current is run_padded else run_length_aware)
+
+
+# ---- InstanceNorm statistics in float64: ExecuTorch's one-pass variance ----------------------------
+# ExecuTorch 1.5.1's portable `_native_batch_norm_legit.no_stats_out` (what nn.InstanceNorm1d lowers
+# to; XNNPACK leaves it outside the delegate) sums x and x*x per channel sequentially in float and
+# takes var = E[x^2] - E[x]^2 (kernels/portable/cpu/op_native_batch_norm.cpp, vec_ops.h): on a long
+# channel whose mean is large against its spread the difference cancels, goes negative, and
+# 1/sqrt(var + eps) is NaN. Kokoro's generator meets it on en_long (resblocks.4.adain2.2: one channel
+# of 184,321 samples, mean 2.25, std 0.054) and the whole audio turns NaN. Here the mean and the
+# centered variance are computed in float64, two passes, and the result cast back.
+
+def _instance_norm_float64_stats(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.InstanceNorm1d's eval forward (no running stats) with float64 statistics."""
+    x64 = x.double()
+    mean = x64.mean(-1, keepdim=True)
+    centered = x64 - mean
+    var = (centered * centered).mean(-1, keepdim=True)
+    y = (centered * torch.rsqrt(var + self.eps)).to(x.dtype)
+    if self.affine:
+        y = y * self.weight.view(1, -1, 1) + self.bias.view(1, -1, 1)
+    return y
+
+
+@patch("instance_norm_float64_stats", True, "ExecuTorch's portable InstanceNorm takes a one-pass float32 "
+       "variance that goes negative (NaN) on long channels; float64 two-pass statistics compute the same",
+       affects=("f0n", "decoder", "generator", "synthesizer"))
+def _instance_norm_f64(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.InstanceNorm1d) and not m.track_running_stats:
+            m.forward = types.MethodType(_instance_norm_float64_stats, m)

@@ -151,3 +151,32 @@ def test_graph_code_digest_follows_the_sources_of_the_applied_patches(monkeypatc
     monkeypatch.undo()
     digest.cache_clear()
     assert digest(("stft_phase_where",)) == before[0]
+
+
+def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch():
+    """The ExecuTorch backends' InstanceNorm workaround computes nn.InstanceNorm1d (to float32's
+    precision) and, lowered for ExecuTorch's portable kernels, stays finite on the channel whose
+    one-pass float32 variance is negative (docs/upstream/executorch-instancenorm-variance/)."""
+    pytest.importorskip("executorch")
+    import torch.nn as nn
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from harness.patches import PATCHES
+    from harness.upstream import InstanceNorm, _long_channel
+
+    module = InstanceNorm(3).eval()
+    with torch.no_grad():
+        module.norm.weight.copy_(torch.tensor([1.0, 0.5, 2.0]))
+        module.norm.bias.copy_(torch.tensor([0.0, 0.1, -0.2]))
+    (x,) = _long_channel()
+    x = torch.cat([x, torch.randn(1, 2, x.shape[-1], generator=torch.Generator().manual_seed(1))], dim=1)
+    expected = nn.functional.instance_norm(x.double(), weight=module.norm.weight.double(),
+                                           bias=module.norm.bias.double(), eps=module.norm.eps)
+    PATCHES["instance_norm_float64_stats"].apply(module)
+    with torch.no_grad():
+        eager = module(x)
+    assert float((eager.double() - expected).norm() / expected.norm()) < 1e-6
+    buffer = to_edge_transform_and_lower(torch.export.export(module, (x,)), partitioner=[]).to_executorch().buffer
+    got = torch.as_tensor(Runtime.get().load_program(buffer).load_method("forward").execute([x])[0])
+    assert torch.isfinite(got).all() and float((got.double() - expected).norm() / expected.norm()) < 1e-6
