@@ -4,7 +4,8 @@
 - `cache`: content-keyed entries, built once under a lock, pruned least-recently-used first;
 - `jobs`: an export, compile or run described as files and executed in a child process;
 - `admission`: compiles wait for the memory their last run peaked at;
-- `worker`: one warm, torch-free child that runs a port chain's small ONNX jobs one after another;
+- `worker`: children started before their job: a warm, torch-free one for a port chain's small ONNX
+  jobs, and a one-job spare that imports a run's runtime while its artifact compiles;
 - `targets`: where a run job executes (this machine, or a device over SSH);
 - `hooks`: forward hooks removed whatever the forward pass does.
 """
