@@ -154,8 +154,8 @@ def test_graph_code_digest_follows_the_sources_of_the_applied_patches(monkeypatc
 
 
 def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch():
-    """The ExecuTorch backends' InstanceNorm workaround computes nn.InstanceNorm1d (to float32's
-    precision) and, lowered for ExecuTorch's portable kernels, stays finite on the channel whose
+    """The ExecuTorch backends' InstanceNorm workaround computes nn.InstanceNorm1d (within PyTorch
+    float32's own error) and, lowered for ExecuTorch's portable kernels, stays finite on the channel whose
     one-pass float32 variance is negative (docs/upstream/executorch-instancenorm-variance/)."""
     pytest.importorskip("executorch")
     import torch.nn as nn
@@ -173,10 +173,12 @@ def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch()
     x = torch.cat([x, torch.randn(1, 2, x.shape[-1], generator=torch.Generator().manual_seed(1))], dim=1)
     expected = nn.functional.instance_norm(x.double(), weight=module.norm.weight.double(),
                                            bias=module.norm.bias.double(), eps=module.norm.eps)
-    PATCHES["instance_norm_float64_stats"].apply(module)
+    err = lambda y: float((y.double() - expected).norm() / expected.norm())  # noqa: E731
     with torch.no_grad():
+        floor = err(module(x))  # PyTorch float32's own error (x itself holds 100 +- 0.01 to 8e-6)
+        PATCHES["instance_norm_float64_stats"].apply(module)
         eager = module(x)
-    assert float((eager.double() - expected).norm() / expected.norm()) < 1e-6
+    assert err(eager) <= floor
     buffer = to_edge_transform_and_lower(torch.export.export(module, (x,)), partitioner=[]).to_executorch().buffer
     got = torch.as_tensor(Runtime.get().load_program(buffer).load_method("forward").execute([x])[0])
-    assert torch.isfinite(got).all() and float((got.double() - expected).norm() / expected.norm()) < 1e-6
+    assert torch.isfinite(got).all() and err(got) <= floor
