@@ -400,7 +400,7 @@ def check_parity(request: pytest.FixtureRequest):
 @pytest.fixture
 def check_golden(request: pytest.FixtureRequest):
     def check(case_id: str, mode: str) -> None:
-        from .golden import GoldenError, GoldenStore
+        from .golden import GoldenError
 
         from . import progress
 

@@ -23,7 +23,7 @@ def _guess(p, side: str, taken: set[str]) -> tuple[str | None, str]:
 def port_text(artifacts: list[Path], out: Path) -> str:
     from ..backends.prebuilt import describe
 
-    lines = [f"# written by `kokoro-parity port init`: confirm every line marked `# guess: confirm`,",
+    lines = ["# written by `kokoro-parity port init`: confirm every line marked `# guess: confirm`,",
              "# map every `# unknown: map me` to a Kokoro tensor (docs/own-port.md), then run",
              f"# `kokoro-parity port check {out.name}`.",
              f"name: {out.parent.resolve().name or 'my-port'}", "stages:"]
