@@ -21,7 +21,7 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from harness import onnx_rebuild as rb  # noqa: E402
-from harness.model import build_empty_kmodel, strict_load  # noqa: E402
+from harness.model import build_empty_kmodel, kokoro_config, strict_load  # noqa: E402
 
 SR = 24000
 EN_PHONEMES = "hˈɛloʊ wˈɜːld, ðɪs ɪz ɐ tˈɛst ʌv kˈoʊkəɹoʊ."
@@ -95,7 +95,7 @@ def _ja_phonemes() -> str:
 
 
 def _inputs(phonemes: str, voices) -> tuple[np.ndarray, np.ndarray]:
-    vocab = rb.kokoro_config()["vocab"]
+    vocab = kokoro_config()["vocab"]
     tokens = [vocab[c] for c in phonemes if c in vocab]
     assert len(tokens) >= 20, phonemes
     ref_s = voices[VOICE][len(tokens) - 1].astype(np.float32).reshape(1, 256)
