@@ -35,7 +35,10 @@ def test_xnnpack_decoder_both_modes_and_golden(tmp_path):
         for key in ("nan_rate", "inf_rate", "max_abs", "mean_abs", "rel_l2", "cosine", "snr_db", "floor_ratio"):
             assert key in m
         assert rec["timings"].get("run_s", 0) > 0 and rec["artifact_bytes"] > 1e6
-        assert rec["audit"]["delegate_coverage"] > 0.5
+        # the delegate takes every convolution; by node count under half now, since the InstanceNorm
+        # workaround's float64 statistics (sums, casts of [1, C, 1] tensors) stay outside it
+        outside = rec["audit"]["ops_outside_delegate"]
+        assert rec["audit"]["delegate_coverage"] > 0.4 and not [op for op in outside if "conv" in op], outside
         assert "custom_stft" in rec["semantic_patches"] and rec["patch_drift"]["audio"]["rel_l2"] > 0
     assert records["en_short-decoder-xnnpack-static"]["rewrite_drift"]["audio"]["rel_l2"] > 0
 
