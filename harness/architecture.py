@@ -3,6 +3,8 @@
 A leaf of `model`: `model` loads weights three ways and `onnx_rebuild` rebuilds the default ones
 from the packaged int8 ONNX; both need the architecture, and `model` calls `onnx_rebuild`, so the
 architecture lives here (before, `model` and `onnx_rebuild` imported each other).
+It imports kokoro because it is part of model loading (the concept `model` owns); backends,
+metrics and repros never import it.
 """
 from __future__ import annotations
 
