@@ -26,6 +26,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="run the compiled artifacts on this target of targets.yaml (docs/targets.md); items are "
                         "named backend@NAME")
     p.add_argument("--targets-file", metavar="PATH", help="default: ./targets.yaml, then the user's config dir")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="judge the saved outputs of a local run whose artifact and inputs ran before, instead of "
+                        "running it again (a warm re-run after a tolerance or reference change)")
 
 
 def cmd_run(args) -> int:
@@ -38,7 +41,8 @@ def cmd_run(args) -> int:
 
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit))
+                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit),
+                      reuse_runs=args.reuse_runs)
     session.target_for(args.target)  # an unknown target or a malformed targets file: an error before any work
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
@@ -66,7 +70,8 @@ def cmd_run(args) -> int:
         session.close()
     print(summary_table(records))
     c = session.counts
-    print(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}")
+    print(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}"
+          + (f" ({c['runs_reused']} more reused)" if c["runs_reused"] else ""))
     return 0 if all(r.verdict.ok for r in records) else 1
 
 
@@ -170,7 +175,7 @@ def cmd_nightly(args) -> int:
         return _nightly_done(args, result, history_dir)
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file)
+                      target=args.target, targets_file=args.targets_file, reuse_runs=args.reuse_runs)
     session.target_for(args.target)
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)

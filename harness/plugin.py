@@ -69,6 +69,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
                 help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s); "
                      "past it the item is TIMEOUT")
+    g.addoption("--reuse-runs", action="store_true",
+                help="judge the saved outputs of a local run whose artifact and inputs ran before instead of running "
+                     "it again (harness.plumbing.run_cache); without it every run runs")
     g.addoption("--shard", default=None, metavar="K/N",
                 help="run the K-th of N shards (1-based); items that share a compile stay together. "
                      "Join the shards' report dirs with `kokoro-parity merge`.")
@@ -229,6 +232,7 @@ def _session(config: pytest.Config):
                     extra_patches=tuple(config.getoption("with_patch")),
                     limits=Limits.parse(config.getoption("--time-limit")),
                     target=config.getoption("--target"), targets_file=config.getoption("--targets-file"),
+                    reuse_runs=config.getoption("--reuse-runs"),
                     cases_dirs=tuple(map(str, [*config.getoption("--cases-dir"), *config.getini("kokoro_parity_cases")])))
         from .cases import CaseError
         from .plumbing.targets import TargetError
@@ -491,7 +495,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     tr.write_line(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}; cache: "
                   f"programs {c['programs_hits']} hit / {c['programs_misses']} miss, "
                   f"artifacts {c['artifacts_hits']} hit / {c['artifacts_misses']} miss, "
-                  f"op audits {c['audits_hits']} hit / {c['audits_misses']} miss")
+                  f"op audits {c['audits_hits']} hit / {c['audits_misses']} miss"
+                  + (f", runs {c['runs_reused']} reused" if c["runs_reused"] else ""))
     tr.write_line(f"records: {session.report_dir / 'records'}")
 
 

@@ -85,6 +85,7 @@ class Session:
     target: str = "local"  # the target its items run on (targets.yaml; compile stays on this machine)
     cases_dirs: tuple[str, ...] = ()  # the user's cases, before the shipped ones (harness.cases.case_dirs)
     targets_file: str | None = None  # default: ./targets.yaml, then the user's config dir
+    reuse_runs: bool = False  # judge a local run's saved outputs instead of running it again (run_cache)
     _model: object = None
     _targets: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
@@ -216,6 +217,10 @@ class Session:
             if not ok:
                 rec.verdict, rec.reason = Verdict.SKIPPED, f"not compiled: compiles on the target; {why}"
                 return None
+        over = self.over_compile_budget(backend, program_dir, program_key)
+        if over:
+            rec.verdict, rec.reason = Verdict.SKIPPED, over
+            return None
         if target.kind == "local" and target.runnable(backend)[0]:
             target.prestart(run_preload(backend))  # the run's process imports while the compile runs
         artifact_dir = self.artifact(backend, step, program_dir, program_key, rec, tag, target if on_target else None)
@@ -243,6 +248,23 @@ class Session:
                 failed(rec, result, Verdict.EXPORT_ERROR)
                 return None, key
         return entry, key
+
+    def over_compile_budget(self, backend: Backend, program_dir: Path, program_key: str) -> str:
+        """Why this program is not compiled at all (its estimated compile passes the compile limit),
+        or "". An artifact already in the cache is never skipped: it costs nothing."""
+        from .plumbing import cache
+
+        result = program_dir / "result.json"
+        if backend.compile_s_per_node is None or not result.exists():
+            return ""
+        n_nodes = json.loads(result.read_text())["value"].get("n_nodes") or 0
+        estimate = backend.compile_estimate_s(n_nodes)
+        if estimate <= self.limits.compile_s or cache.lookup("artifacts", backend.artifact_key(program_key)):
+            return ""
+        return (f"not compiled: {backend.name} compiles about {backend.compile_s_per_node * 1000:.0f} CPU s per "
+                f"1,000 exported nodes (an LSTM written out step by step; docs/performance.md), so this "
+                f"program's {n_nodes:,} nodes would take about {estimate / 60:.0f} min, over the compile limit "
+                f"of {self.limits.compile_s / 60:.0f} min (--time-limit compile=SECONDS to try)")
 
     def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,
                  tag: str = "", target=None) -> Path | None:
@@ -285,9 +307,9 @@ class Session:
 
     def run_artifact(self, backend: Backend, artifact_path: Path, inputs: dict, rec: Record, run_name: str,
                      tag: str = "") -> list | None:
-        """Run a compiled artifact on `inputs` in a child process (always; runs are never cached)."""
-        import torch
-
+        """Run a compiled artifact on `inputs` in a child process. Its outputs are saved in the cache
+        and, with `reuse_runs`, a local run whose artifact and inputs were run before is not run again."""
+        from .plumbing import run_cache
         from .plumbing.targets import TargetUnreachable
 
         run_dir = self.report_dir / "runs" / run_name
@@ -299,6 +321,16 @@ class Session:
         else:
             save_tensors(run_dir / "inputs.pt", inputs)
         target = self.target_for(rec.target.get("name") or "local")
+        key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
+                                 backend.name) if target.kind == "local" else None
+        saved = run_cache.load(key, run_dir / f"outputs{ext}") if key and self.reuse_runs else None
+        if saved is not None:
+            self.counts["runs_reused"] += 1
+            rec.cache[f"{tag}run"] = "hit"
+            rec.timings.update({f"{tag}{k}": v for k, v in saved["timings"].items()})
+            rec.peak_rss_mb[f"{tag}run"] = saved["peak_rss_mb"]
+            rec.audit.update(saved.get("audit") or {})
+            return self._outputs(run_dir, onnx)
         from . import progress
 
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
@@ -326,6 +358,17 @@ class Session:
             failed(rec, result, Verdict.RUN_ERROR)
             return None
         rec.audit.update(result.value.get("audit") or {})
+        if key:
+            rec.cache[f"{tag}run"] = "miss"
+            run_cache.store(key, run_dir / f"outputs{ext}", {
+                "timings": {k: rec.timings[f"{tag}{k}"] for k in ("run_s", "run_job_s")},
+                "peak_rss_mb": result.peak_rss_mb, "audit": result.value.get("audit") or {}})
+        return self._outputs(run_dir, onnx)
+
+    @staticmethod
+    def _outputs(run_dir: Path, onnx: bool) -> list:
+        import torch
+
         if onnx:
             return [torch.from_numpy(a) for a in load_arrays(run_dir / "outputs.npz")]
         return torch.load(run_dir / "outputs.pt", weights_only=True)

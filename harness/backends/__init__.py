@@ -138,6 +138,15 @@ class Backend:
         helpers with `inspect.getsource`). None: the bundle's repro.py exits 2, "cannot run here"."""
         return None
 
+    # A frontend that writes every node out (TVM's Relax from an unrolled LSTM, coremltools' MIL)
+    # compiles in a time that grows with the exported graph: CPU seconds per exported node, measured
+    # by benchmarks/lstm_scaling.py (docs/performance.md). The runner skips, before compiling, a
+    # program whose estimate exceeds the compile limit: a TIMEOUT known in advance. None: no model.
+    compile_s_per_node: float | None = None
+
+    def compile_estimate_s(self, n_nodes: int) -> float | None:
+        return None if self.compile_s_per_node is None else n_nodes * self.compile_s_per_node
+
     def runnable(self) -> tuple[bool, str]:
         """Whether `run` can execute here; compiling may still work (Core ML converts on Linux and
         predicts only on macOS). When not, the item is SKIPPED with the reason and its audit kept."""

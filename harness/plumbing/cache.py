@@ -1,4 +1,4 @@
-"""The content-addressed cache: rebuilt weights, traces, exported programs, compiled artifacts.
+"""The content-addressed cache: rebuilt weights, traces, exported programs, compiled artifacts, runs.
 
 Entries are directories named by `files.content_key(...)` of everything that changes them, written
 to a temporary sibling and renamed into place, under a file lock so that concurrent writers (xdist
@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 CACHE_ENV = "KOKORO_PARITY_CACHE"
 MAX_GB_ENV = "KOKORO_PARITY_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 40.0
-KINDS = ("traces", "variants", "synthesizer", "programs", "artifacts", "bisect")  # prunable
+KINDS = ("traces", "variants", "synthesizer", "programs", "artifacts", "bisect", "runs")  # prunable
 RECENT_S = 3600.0  # an entry used this recently may be in use by another process
 
 

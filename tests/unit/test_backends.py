@@ -534,6 +534,38 @@ def test_a_local_run_gets_a_process_started_before_its_compile(tiny_session, mon
 
 
 @pytest.mark.slow
+def test_reuse_runs_judges_the_saved_outputs_again_without_running(tiny_session):
+    """`--reuse-runs` (issue 19's warm matrix): a local run whose artifact and inputs ran before is
+    not run again, but its saved outputs are judged again, so a corrupted output still fails."""
+    import torch
+
+    from harness.plumbing import cache
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    item = Item("tiny", "text_encoder", "example-interpreter", "static")
+    first = tiny_session.run(item)
+    assert first.verdict is Verdict.PASS and first.cache["run"] == "miss", first.reason
+    runs = tiny_session.counts["runs"]
+    assert tiny_session.run(item).cache["run"] == "miss" and tiny_session.counts["runs"] == runs + 1  # flag off: runs
+    tiny_session.reuse_runs = True
+    try:
+        reused = tiny_session.run(item)
+        assert reused.cache["run"] == "hit" and tiny_session.counts["runs"] == runs + 1
+        assert reused.verdict is Verdict.PASS and reused.metrics == first.metrics
+        assert reused.timings["run_s"] == first.timings["run_s"]  # the stored run's own figures
+        other = tiny_session.run(Item("tiny", "text_encoder", "example-interpreter", "dynamic"))  # other inputs
+        assert other.cache["run"] == "miss" and tiny_session.counts["runs"] == runs + 2
+        saved = [e / "outputs.pt" for e in (cache.cache_dir() / "runs").iterdir() if (e / ".complete").exists()]
+        for path in saved:  # every saved output made NaN: judged again, they must fail
+            torch.save([torch.full_like(t, float("nan")) for t in torch.load(path, weights_only=True)], path)
+        spoiled = tiny_session.run(item)
+        assert spoiled.cache["run"] == "hit" and spoiled.verdict is Verdict.FAIL
+    finally:
+        tiny_session.reuse_runs = False
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS Core ML runs")
 def test_coreml_item_is_skipped_with_its_conversion_recorded(tiny_session):
     pytest.importorskip("coremltools")
