@@ -255,16 +255,17 @@ class Session:
         from .plumbing import cache
 
         result = program_dir / "result.json"
-        if backend.compile_s_per_node is None or not result.exists():
+        if backend.compile_cost is None or not result.exists():
             return ""
-        n_nodes = json.loads(result.read_text())["value"].get("n_nodes") or 0
+        n_nodes = sum(json.loads(result.read_text())["value"].get("ops", {}).values())  # call_function nodes
         estimate = backend.compile_estimate_s(n_nodes)
         if estimate <= self.limits.compile_s or cache.lookup("artifacts", backend.artifact_key(program_key)):
             return ""
-        return (f"not compiled: {backend.name} compiles about {backend.compile_s_per_node * 1000:.0f} CPU s per "
-                f"1,000 exported nodes (an LSTM written out step by step; docs/performance.md), so this "
-                f"program's {n_nodes:,} nodes would take about {estimate / 60:.0f} min, over the compile limit "
-                f"of {self.limits.compile_s / 60:.0f} min (--time-limit compile=SECONDS to try)")
+        nodes, seconds, exponent = backend.compile_cost
+        return (f"not compiled: {backend.name}'s compile grows as the graph's size to the power {exponent:.2f} "
+                f"({seconds:.0f} s at {nodes:,} exported nodes; docs/performance.md), so this program's "
+                f"{n_nodes:,} nodes would take about {estimate / 60:.0f} min, over the compile limit of "
+                f"{self.limits.compile_s / 60:.0f} min (--time-limit compile=SECONDS to try)")
 
     def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,
                  tag: str = "", target=None) -> Path | None:

@@ -138,14 +138,17 @@ class Backend:
         helpers with `inspect.getsource`). None: the bundle's repro.py exits 2, "cannot run here"."""
         return None
 
-    # A frontend that writes every node out (TVM's Relax from an unrolled LSTM, coremltools' MIL)
-    # compiles in a time that grows with the exported graph: CPU seconds per exported node, measured
-    # by benchmarks/lstm_scaling.py (docs/performance.md). The runner skips, before compiling, a
-    # program whose estimate exceeds the compile limit: a TIMEOUT known in advance. None: no model.
-    compile_s_per_node: float | None = None
+    # A compile whose time grows faster than the exported graph (TVM's ONNX frontend on an LSTM
+    # written out step by step): (exported nodes, seconds, exponent) of a measured power law, from
+    # benchmarks/lstm_scaling.py (docs/performance.md). The runner skips, before compiling, a program
+    # whose estimate passes the compile limit: a TIMEOUT known in advance. None: no model.
+    compile_cost: tuple[int, float, float] | None = None
 
     def compile_estimate_s(self, n_nodes: int) -> float | None:
-        return None if self.compile_s_per_node is None else n_nodes * self.compile_s_per_node
+        if self.compile_cost is None:
+            return None
+        nodes, seconds, exponent = self.compile_cost
+        return seconds * (n_nodes / nodes) ** exponent
 
     def runnable(self) -> tuple[bool, str]:
         """Whether `run` can execute here; compiling may still work (Core ML converts on Linux and

@@ -172,6 +172,11 @@ def tvm_onnx_gaps(model) -> dict:
 
 class TvmOnnxBackend(Backend):
     name = "tvm-onnx"
+    # Relax's ONNX frontend has no LSTM (nor Scan): the cell is written out per time step, and the
+    # compile grows faster than the graph. `benchmarks/lstm_scaling.py --impl unrolled --backend
+    # tvm-onnx --T 64 --T 128` (2026-11-24, idle): 42.6 s at 1,897 nodes, 119.3 s at 3,753; ja's
+    # duration_encoder (static) took 465 s where this predicts about 400.
+    compile_cost = (3753, 119.3, 1.51)
     requires = ("tvm", "onnx", "onnxscript")
     # TVM 0.27's Relax ONNX frontend has no LSTM converter ("OpNotImplemented: ... LSTM"): the LSTM
     # steps get the cell written out (unrolled_lstm); every other step shares onnxruntime's ONNX file

@@ -566,6 +566,31 @@ def test_reuse_runs_judges_the_saved_outputs_again_without_running(tiny_session)
 
 
 @pytest.mark.slow
+def test_a_compile_estimated_past_the_limit_is_skipped_before_it_starts(tiny_session, monkeypatch):
+    """A backend whose frontend writes every node out (`compile_cost`) skips a program whose
+    estimate passes the compile limit, saying the figures and how to lift it; under the limit, or
+    once its artifact is in the cache, it compiles and runs."""
+    from harness.runner import Item, Limits
+    from harness.verdict import Verdict
+
+    cls = type(get_backend("example-interpreter"))
+    item = Item("tiny", "duration", "example-interpreter", "static")
+    monkeypatch.setattr(cls, "compile_cost", (1, 1.0, 6.0))  # any step: days
+    skipped = tiny_session.run(item)
+    assert skipped.verdict is Verdict.SKIPPED, skipped.reason
+    assert "not compiled: example-interpreter's compile grows as the graph's size to the power 6.00" in skipped.reason
+    assert "over the compile limit of 10 min (--time-limit compile=SECONDS" in skipped.reason
+    assert "compile_s" not in skipped.timings  # nothing was compiled
+    limits, tiny_session.limits = tiny_session.limits, Limits(compile_s=10 ** 7)
+    try:
+        ran = tiny_session.run(item)
+    finally:
+        tiny_session.limits = limits
+    assert ran.verdict is Verdict.PASS and ran.timings["compile_s"] > 0, ran.reason
+    assert tiny_session.run(item).verdict is Verdict.PASS  # cached now: costs nothing, never skipped
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS Core ML runs")
 def test_coreml_item_is_skipped_with_its_conversion_recorded(tiny_session):
     pytest.importorskip("coremltools")
