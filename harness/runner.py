@@ -264,7 +264,7 @@ class Session:
         nodes, seconds, exponent = backend.compile_cost
         return (f"not compiled: {backend.name}'s compile grows as the graph's size to the power {exponent:.2f} "
                 f"({seconds:.0f} s at {nodes:,} exported nodes; docs/performance.md), so this program's "
-                f"{n_nodes:,} nodes would take about {estimate / 60:.0f} min, over the compile limit of "
+                f"{n_nodes:,} nodes would take about {estimate / 60:.1f} min, over the compile limit of "
                 f"{self.limits.compile_s / 60:.0f} min (--time-limit compile=SECONDS to try)")
 
     def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,
