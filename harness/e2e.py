@@ -101,11 +101,11 @@ def float16_floor_audio(session, case_id: str, variant: tuple[str, ...]) -> torc
     from .patches import apply_patches, graph_code_digest
     from .precision.float16 import FLOOR_VERSION, Mixed
     from .precision.search import float16_d
-    from .reference import REFERENCE_PATCHES, TRACE_VERSION, as_outputs
+    from .reference import REFERENCE_PATCHES, TRACE_VERSION, as_outputs, numerics
     from .steps import get_step
 
     model, case, traces = session.model, session.cases[case_id], session.traces(case_id)
-    key = content_key("float16-e2e", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, torch.__version__,
+    key = content_key("float16-e2e", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, numerics(),
                       variant, graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):

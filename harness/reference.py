@@ -27,6 +27,17 @@ MODES = ("dynamic", "static")
 REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
                      "static": ("noise_as_input", "dropout_identity", "no_packing")}
 TRACE_VERSION = 4  # bump when the way traces are computed changes: it invalidates cached traces
+
+
+def numerics() -> str:
+    """What a reference's float values depend on beyond the model and case: torch's version, its CPU
+    kernels (AVX2 / AVX-512) and MKL's code path. On an AVX-512 CPU MKL's FFT moves Kokoro's
+    torch.stft path by up to 1e-2 (finding 12), so references cached under one are not reused
+    under another (`MKL_ENABLE_INSTRUCTIONS` chooses MKL's)."""
+    import os
+
+    return (f"{torch.__version__};{torch.backends.cpu.get_cpu_capability()};"
+            f"mkl={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'auto')}")
 SYNTH_BUCKETS = (120, 200, 400, 1200, 1600)  # synthesizer frame buckets: 3, 5, 10, 30 and 40 s of audio
 
 
@@ -187,7 +198,7 @@ def compute_traces(model: LoadedModel, case: Case, steps: tuple[str, ...] | None
 
 def load_traces(model: LoadedModel, case: Case) -> CaseTraces:
     """Traces of a case, computed once and cached by content (weights, case, torch, trace code)."""
-    key = content_key("traces", TRACE_VERSION, model.digest, case.digest, torch.__version__)
+    key = content_key("traces", TRACE_VERSION, model.digest, case.digest, numerics())
 
     def build(tmp):
         traces = compute_traces(model, case)
@@ -241,7 +252,7 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
     refs = tuple(sorted({r for r in refs} - {k[0] for k in traces.captures}))
     if not refs:
         return traces.captures
-    key = content_key("captures", TRACE_VERSION, model.digest, case.digest, torch.__version__, refs,
+    key = content_key("captures", TRACE_VERSION, model.digest, case.digest, numerics(), refs,
                       *((variant, graph_code_digest(variant)) if variant else ()))  # `variant`: extra patches
 
     def build(tmp):
@@ -290,7 +301,7 @@ def variant_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
     A backend is judged against the reference *with the patches its export needs*, so its error is
     its own; how far those patches move the model is reported beside it as the patch drift.
     """
-    key = content_key("variant", TRACE_VERSION, model.digest, case.digest, torch.__version__, step, mode, variant,
+    key = content_key("variant", TRACE_VERSION, model.digest, case.digest, numerics(), step, mode, variant,
                       graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
@@ -353,7 +364,7 @@ def rewrite_drift(model: LoadedModel, case: Case, traces: CaseTraces, variant: t
 def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, variant: tuple[str, ...] = ()):
     """The e2e reference audio: the synthesizer in eager PyTorch on the exact lengths and the
     reference alignment, in fp32 and fp64, with the backend's semantics-changing patches."""
-    key = content_key("synthesizer", TRACE_VERSION, model.digest, case.digest, torch.__version__, variant,
+    key = content_key("synthesizer", TRACE_VERSION, model.digest, case.digest, numerics(), variant,
                       graph_code_digest(tuple(variant)) if variant else "")
     step = get_step("synthesizer")
     chain = traces.chain
@@ -397,7 +408,7 @@ def float16_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
     floor. Computed once per (case, step, mode, variant) and cached."""
     from .precision.float16 import FLOOR_VERSION, Mixed
 
-    key = content_key("float16", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, torch.__version__, step,
+    key = content_key("float16", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, numerics(), step,
                       mode, variant, graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
@@ -531,7 +542,7 @@ def stage_reference(model: LoadedModel, case: Case, inputs: dict[str, torch.Tens
 
     plan = _stage_plan(set(inputs), outputs)
     key = content_key("stage", TRACE_VERSION, STAGE_REF_VERSION, FLOOR_VERSION, model.digest, case.digest,
-                      torch.__version__, mode, _digest(inputs), outputs, precisions, variant,
+                      numerics(), mode, _digest(inputs), outputs, precisions, variant,
                       graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):

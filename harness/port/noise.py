@@ -38,7 +38,9 @@ def _decoder_audio(km, chain: dict, noise: dict) -> torch.Tensor:
 def noise_band(model, case, traces, k: int = DEFAULT_K) -> dict:
     """{"metrics": {metric: [values of runs 1..K-1 vs run 0]}, "band": {metric: [lo, hi]},
     "zero_noise_audio": the reference audio with every noise input zero, "k": K}; cached."""
-    key = content_key("noise-band", BAND_VERSION, model.digest, case.digest, torch.__version__, k)
+    from ..reference import numerics
+
+    key = content_key("noise-band", BAND_VERSION, model.digest, case.digest, numerics(), k)
 
     def build(tmp):
         from ..metrics.audio import audio_metrics
