@@ -10,6 +10,7 @@ import os
 # padded-equals-exact checks were recorded on AVX2. The tests test the harness, so they pin MKL's
 # path (before torch's first FFT; child processes inherit it). Finding 12, docs/findings.md.
 os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")  # torch's own kernels too (read at its first dispatch)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
