@@ -519,14 +519,9 @@ def _stage_plan(have: set[str], wanted: tuple[str, ...]) -> list[tuple[str, str]
 
 
 def _digest(values: dict[str, torch.Tensor]) -> str:
-    import hashlib
+    from .plumbing.files import tensors_digest
 
-    h = hashlib.sha256()
-    for k in sorted(values):
-        t = values[k].detach().contiguous().cpu()
-        h.update(f"{k}:{t.dtype}:{list(t.shape)}".encode())
-        h.update(t.numpy().tobytes() if t.dtype != torch.bool else t.to(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return tensors_digest(values)
 
 
 def stage_reference(model: LoadedModel, case: Case, inputs: dict[str, torch.Tensor], outputs: tuple[str, ...],

@@ -74,6 +74,18 @@ def content_key(*parts: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+def tensors_digest(values: dict) -> str:
+    """sha256 of named tensors' names, dtypes, shapes and bytes: the inputs' part of a cache key."""
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(values):
+        t = values[k].detach().contiguous().cpu()
+        h.update(f"{k}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.numpy().tobytes() if t.dtype != torch.bool else t.to(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def canonical(t):
     """A copy of `t` with the standard (row-major) strides, also along size-1 axes.
 

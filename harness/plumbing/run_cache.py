@@ -11,13 +11,12 @@ fresh runs. Remote targets never reuse (the run's machine is the point of them).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 from . import cache
-from .files import atomic_write_json, canonical, content_key
+from .files import atomic_write_json, content_key, tensors_digest
 
 KIND = "runs"
 
@@ -27,12 +26,8 @@ def run_key(artifact_path: Path, inputs: list, backend_name: str) -> str | None:
     entry = Path(artifact_path).parent
     if entry.parent != cache.cache_dir() / "artifacts":
         return None
-    h = hashlib.sha256()
-    for t in inputs:
-        t = canonical(t).detach().cpu()
-        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-        h.update(t.numpy().tobytes() if t.numel() else b"")
-    return content_key("run", entry.name, Path(artifact_path).name, backend_name, h.hexdigest())
+    digest = tensors_digest({f"{i:04d}": t for i, t in enumerate(inputs)})
+    return content_key("run", entry.name, Path(artifact_path).name, backend_name, digest)
 
 
 def load(key: str, outputs_path: Path) -> dict | None:
