@@ -100,6 +100,9 @@ def _models():
         connect_timeout_s: float = Field(default=10, gt=0)
         multiplex: bool = Field(default=True, description="one SSH connection for a session's jobs (ControlMaster)")
         cache_max_gb: float = Field(default=20, gt=0)
+        env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
+            default_factory=dict, description="environment of the target's jobs: thread counts, CPU kernel pins "
+                                              "(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS)")
 
     class TargetsFile(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -427,6 +430,8 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
             return {"name": self.name, "kind": "ssh", "reachable": False, "reason": str(e)}
         out = {"name": self.name, "kind": "ssh", **{k: v for k, v in info.items() if k != "backends"}}
         out["runtimes"] = {k: v["version"] for k, v in info.get("backends", {}).items() if v.get("version")}
+        if self.spec.env:
+            out["env"] = dict(self.spec.env)
         return out
 
     # -- a job ----------------------------------------------------------------------------------------------
@@ -483,7 +488,8 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
                "cache_max_bytes": int(self.spec.cache_max_gb * 2**30)}
         ship = {k: v for k, v in entries.items() if k not in self._known}
         script = (f"cd {self._wd()} && exec env PYTHONPATH=\"$PWD/cache/{hkey}\" PYTHONDONTWRITEBYTECODE=1 "
-                  f"{forwarded_env()}{shlex.quote(self.spec.python)} -m harness.plumbing.targets serve {run_id}")
+                  f"{self._env_words()}{forwarded_env()}{shlex.quote(self.spec.python)} "
+                  f"-m harness.plumbing.targets serve {run_id}")
         result = self._serve(script, run_id, job, ship, inputs, timeout, workdir, outputs)
         if result.extra.get("missing"):  # pruned there since we last looked: ship them and go again
             self._known -= set(result.extra["missing"])
@@ -493,6 +499,10 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
         result.extra.update(target=self.name, upload_bytes=result.extra.get("upload_bytes", 0),
                             transport_s=round(max(time.monotonic() - start - result.seconds, 0.0), 3))
         return result
+
+    def _env_words(self) -> str:
+        """The spec's `env:` as `K=V ` words: the target's own numerics settings, never this machine's."""
+        return "".join(f"{shlex.quote(f'{k}={v}')} " for k, v in sorted(self.spec.env.items()))
 
     def _prepare(self, hkey: str, keys: list[str]) -> None:
         """Which cache entries the target holds (marked used); ships the harness source if missing.

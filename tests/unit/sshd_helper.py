@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+CPU_PINS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -85,10 +87,14 @@ class Sshd:
 
     def target(self, python: Path, work_dir: Path, key: Path | None = None, known_hosts: Path | None = None,
                **extra) -> dict:
-        """A targets.yaml entry for this server."""
+        """A targets.yaml entry for this server. Its jobs get this process's CPU kernel pins (conftest.py):
+        sshd gives them a clean environment, and on an AVX-512 CPU the unpinned kernels differ in the
+        last bits, so a loopback run would no longer equal the local one."""
+        env = {k: os.environ[k] for k in CPU_PINS if k in os.environ}
         return {"kind": "ssh", "host": "127.0.0.1", "port": self.port, "user": self.user,
                 "identity_file": str(key or self.client_key), "known_hosts": str(known_hosts or self.known_hosts),
-                "ssh_config": "none", "python": str(python), "work_dir": str(work_dir), **extra}
+                "ssh_config": "none", "python": str(python), "work_dir": str(work_dir),
+                **({"env": env} if env else {}), **extra}
 
 
 def _sshd_descendants(root: int) -> list[int]:

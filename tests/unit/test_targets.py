@@ -87,6 +87,9 @@ def test_targets_file_errors_name_the_file_and_the_field(tmp_path):
     path.write_text("targets:\n  mac: {kind: telnet, host: m}\n")
     with pytest.raises(TargetError, match=r"targets\.mac: .*'local', 'ssh'"):
         load_specs(path)
+    path.write_text("targets:\n  mac: {kind: ssh, host: m, env: {'OMP THREADS': '1'}}\n")
+    with pytest.raises(TargetError, match=r"targets\.mac\.env\.OMP THREADS\.\[key\]: String should match pattern"):
+        load_specs(path)
     path.write_text("targets: [\n")
     with pytest.raises(TargetError, match="not valid YAML"):
         load_specs(path)
@@ -106,6 +109,16 @@ def test_ssh_command_carries_no_secret_and_quotes_the_script(lab):
 
 
 # ---- jobs over ssh ------------------------------------------------------------------------------------
+
+def test_a_targets_env_reaches_its_jobs_and_its_description(lab, tmp_path):
+    """sshd gives a job a clean environment: the target's `env:` (CPU kernel pins, threads) is what it gets."""
+    t = lab.target("full")
+    assert t.spec.env  # the lab's targets carry conftest's pins (sshd_helper.target)
+    for key, value in t.spec.env.items():
+        r = t.run_job("os:getenv", {"key": key}, tmp_path / key, 30)
+        assert r.ok and r.value == value, (r.error, r.log_tail)
+    assert t.describe()["env"] == t.spec.env
+
 
 def test_a_job_ships_its_files_runs_there_and_brings_back_the_same_result(lab, tmp_path):
     t = lab.target("full")
