@@ -462,7 +462,7 @@ def fitting_bucket(model, text: str, language: str, voice: str, speed: float = 1
 
 # ---- a port stage's own reference: its outputs recomputed from its inputs (harness.port.chain) ----
 
-STAGE_REF_VERSION = 1  # bump when stage_reference's computation changes
+STAGE_REF_VERSION = 2  # bump when stage_reference's computation changes
 # the case's own inputs: a stage that does not declare one gets the reference's (padded like its inputs)
 CASE_INPUTS = ("input_ids", "attention_mask", "text_mask", "input_lengths", "s_pred", "s_dec", "speed",
                "frame_lengths", *NOISE_INPUTS)
@@ -475,8 +475,9 @@ class BoundaryError(ValueError):
 
 def _stage_plan(have: set[str], wanted: tuple[str, ...]) -> list[tuple[str, str]]:
     """The reference computation from `have` to `wanted`: [("step", name) | ("glue", tensor)], in
-    order; a module reference is produced by the step that runs its module (hooks). Raises
-    BoundaryError naming what no computation from the inputs reaches."""
+    order; a module reference is produced by the step that runs its module (hooks); a step that
+    the inputs alone feed is preferred to a chain of smaller ones. Raises BoundaryError naming what
+    no computation from the inputs reaches."""
     from .steps import STAGES
 
     plan: list[tuple[str, str]] = []
@@ -501,6 +502,10 @@ def _stage_plan(have: set[str], wanted: tuple[str, ...]) -> list[tuple[str, str]
             producers = [get_step("decoder")]
         else:
             producers = [s for s in (*STEPS, *STAGES) if name in s.output_names]
+            # a step fed by the stage's inputs alone first: the synthesizer, not f0n + decoder, from
+            # (d, aln, frame_lengths, ...), since only the fused step gives its modules the lengths
+            # (provide_frame_lengths), and a length-aware program must be judged length-aware
+            producers.sort(key=lambda s: not set(s.input_names) <= have)
         for step in producers:
             if all(reach(i, seen) for i in step.input_names):
                 if ("step", step.name) not in plan:

@@ -175,6 +175,19 @@ def test_an_e2e_item_has_a_row_per_stage_judged_locally_and_chained(e2e_session,
 
 
 @pytest.mark.slow
+def test_a_length_aware_static_item_is_judged_by_a_length_aware_stage_reference(e2e_session, monkeypatch):
+    """With both length-aware patches the static program computes the exact lengths' semantics on its
+    bucket; its stage's padded reference must too (the fused synthesizer step, which gives the modules
+    the frame lengths, not f0n + decoder): every stage at its floor, as in the dynamic mode."""
+    monkeypatch.setattr(e2e_session, "extra_patches", ("length_aware_lstm", "length_aware_norm"))
+    rec, _ = _run(e2e_session, monkeypatch, "static")
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rec.stages[1]["bucket"] == {"local": 120, "chained": 120}
+    assert all(r["local_ok"] and r["chained_ok"] for r in rec.stages), rec.stages
+    assert rec.stages[1]["outputs"]["audio"]["local"]["rel_l2"] < 1e-5
+
+
+@pytest.mark.slow
 def test_a_backend_that_compiles_here_but_cannot_run_converts_every_stage(e2e_session, monkeypatch):
     """Core ML off macOS: the duration stage converts and cannot run; the synthesizer is still
     converted (on the reference's inputs), so the item says every stage converts; a stage that does

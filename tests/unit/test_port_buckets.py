@@ -19,6 +19,9 @@ def test_a_stage_reference_is_planned_from_its_inputs():
     have = {"d", "aln", "s_pred", "input_ids", "input_lengths", "text_mask", "frame_lengths"}
     plan = _stage_plan(have, ("F0_pred", "N_pred", "asr"))
     assert plan == [("glue", "en"), ("step", "f0n"), ("step", "text_encoder"), ("glue", "asr")]
+    # the synthesizer's own inputs: its fused step (it gives the length-aware modules their lengths)
+    synth = have | {"s_dec", "rand_ini", "sine_noise", "source_noise"}
+    assert _stage_plan(synth, ("audio",)) == [("step", "synthesizer")]
     with pytest.raises(BoundaryError, match=r"audio cannot be recomputed .*starts inside a module: "
                                             r"decoder\.generator\.conv_post:out"):
         _stage_plan({splits.CONV_POST, "s_dec", "input_ids"}, ("audio",))
