@@ -31,13 +31,15 @@ TRACE_VERSION = 4  # bump when the way traces are computed changes: it invalidat
 
 def numerics() -> str:
     """What a reference's float values depend on beyond the model and case: torch's version, its CPU
-    kernels (AVX2 / AVX-512) and MKL's code path. On an AVX-512 CPU MKL's FFT moves Kokoro's
-    torch.stft path by up to 1e-2 (finding 12), so references cached under one are not reused
-    under another (`MKL_ENABLE_INSTRUCTIONS` chooses MKL's)."""
+    kernels (AVX2 / AVX-512), MKL's and oneDNN's code paths. On an AVX-512 CPU MKL's FFT moves
+    Kokoro's torch.stft path by up to 1e-2, and any 1e-7 change of the vocoder's inputs (oneDNN's
+    convolutions) moves its audio by ~5e-3 (finding 12), so references cached under one are not
+    reused under another (`MKL_ENABLE_INSTRUCTIONS`, `ONEDNN_MAX_CPU_ISA` choose them)."""
     import os
 
     return (f"{torch.__version__};{torch.backends.cpu.get_cpu_capability()};"
-            f"mkl={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'auto')}")
+            f"mkl={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'auto')};"
+            f"onednn={os.environ.get('ONEDNN_MAX_CPU_ISA', 'auto')}")
 SYNTH_BUCKETS = (120, 200, 400, 1200, 1600)  # synthesizer frame buckets: 3, 5, 10, 30 and 40 s of audio
 
 

@@ -80,3 +80,41 @@ def test_large_tensors_stored_as_float16_are_compared_at_that_precision():
     x = np.random.default_rng(0).standard_normal(200_000).astype(np.float32)
     assert compare("x", x, x.astype(np.float16)) is None
     assert compare("x", x * 1.01, x.astype(np.float16)) is not None
+
+
+def test_the_fp32_floor_widens_the_tolerance_and_nothing_else():
+    """Finding 12: another CPU path moves the vocoder's fp32 audio by about its own fp32 floor."""
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    moved = x * (1 + 5e-3 * np.random.default_rng(2).standard_normal(1000).astype(np.float32))
+    problem = compare("decoder.audio", moved, x)
+    assert problem and "exceeds 1e-05" in problem and "floor" not in problem
+    assert compare("decoder.audio", moved, x, floor=7e-3) is None
+    problem = compare("decoder.audio", moved, x, floor=1e-3)
+    assert problem and "2 x its fp32 floor 1.00e-03" in problem
+    nan = moved.copy()
+    nan[0] = np.nan
+    assert compare("decoder.audio", nan, x, floor=1.0) is not None  # a NaN never passes, floor or not
+
+
+def test_the_manifest_records_the_cpu_path_and_a_failure_names_both(store, traces, random_model):
+    import json
+
+    from harness.reference import numerics
+
+    manifest = store.dir("tiny", "static") / "manifest.json"
+    assert json.loads(manifest.read_text())["numerics"] == numerics()
+    assert json.loads(manifest.read_text())["files"]["duration.duration.npy"]["floor"] > 0
+    floors = store.floors(traces, "static")
+    assert floors["duration.duration"] > 0 and all(v < 1e-4 for v in floors.values()), floors
+    data = json.loads(manifest.read_text())
+    data["numerics"] = "2.13.0;AVX512;mkl=auto"
+    manifest.write_text(json.dumps(data))
+    outputs = traces.io[("duration", "static", "float32")][1]
+    original = outputs["duration"].clone()
+    outputs["duration"] = original * 1.01
+    try:
+        problems = store.check(CASE, "static", traces, random_model)
+    finally:
+        outputs["duration"] = original
+    assert problems[-1] == f"(golden made under the CPU path 2.13.0;AVX512;mkl=auto; this run: {numerics()})"
+    assert store.check(CASE, "static", traces, random_model) == []  # no problem: the paths go unsaid
