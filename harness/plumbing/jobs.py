@@ -38,6 +38,22 @@ class JobResult:
         return self.status == "ok"
 
 
+# The C stack a job's process starts with (KiB): compilers that walk a written-out graph
+# recursively need far more than the usual 8 MB. TVM's compile of en_long's f0n (an LSTM written
+# out 1,078 steps long) died with SIGSEGV at 8 MB and passes with more (docs/findings.md, 13).
+# Bounded, so that a runaway recursion still ends; the hard limit wins where it is lower (macOS).
+STACK_KB = 2 * 1024 * 1024
+
+
+def python_child(module: str, *args: str) -> list[str]:
+    """argv for `python -m module args` started with a C stack of STACK_KB (`sh` sets the limit and
+    execs Python: the same pid, so signals and exit statuses are Python's own)."""
+    if os.name != "posix":
+        return [sys.executable, "-m", module, *args]
+    script = f'ulimit -s {STACK_KB} 2>/dev/null || ulimit -s "$(ulimit -H -s)" 2>/dev/null; exec "$@"'
+    return ["/bin/sh", "-c", script, "sh", sys.executable, "-m", module, *args]
+
+
 def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
     """Run `function(**kwargs)` in a fresh Python process inside `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +62,7 @@ def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float
     log_path = workdir / "log.txt"
     start = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.plumbing.jobs", str(workdir)], stdout=log,
+        proc = subprocess.Popen(python_child("harness.plumbing.jobs", str(workdir)), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
         status, polled_peak = _wait(proc, timeout)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import atomic_write_json
-from .jobs import JobResult, _child, _tail, _vm_hwm_mb
+from .jobs import JobResult, _child, _tail, _vm_hwm_mb, python_child
 
 
 class WarmWorker:
@@ -55,7 +55,7 @@ class WarmWorker:
     def _start(self) -> subprocess.Popen:
         argv = [json.dumps(self.preload or {}), str(self.max_jobs)]
         self.env = dict(os.environ)  # a job's environment is the one its process started with
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.plumbing.worker", *argv], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(python_child("harness.plumbing.worker", *argv), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
                                      env={**self.env, "PYTHONWARNINGS": "ignore"})
         self._served = 0

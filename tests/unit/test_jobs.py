@@ -59,6 +59,40 @@ def test_peak_memory_is_the_childs_own_not_its_parents(tmp_path):
     assert crashed.status == "crashed" and crashed.peak_rss_mb > 350
 
 
+def deep_c_recursion_job(depth: int) -> int:
+    """json's C encoder recursing `depth` lists deep: about 40 bytes of C stack per level more than
+    Python's own frames, 200,000 levels past an 8 MB stack (a SIGSEGV there, as TVM's compile of a
+    1,078-step LSTM was)."""
+    import json
+    import sys
+
+    sys.setrecursionlimit(10 * depth)
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return len(json.dumps(x))
+
+
+def stack_limit_job() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_STACK)[0]
+
+
+def test_a_job_has_the_c_stack_a_deep_compile_needs(tmp_path):
+    import resource
+
+    from harness.plumbing.jobs import STACK_KB
+
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    want = STACK_KB * 1024 if hard == resource.RLIM_INFINITY else min(hard, STACK_KB * 1024)
+    limit = run_job("tests.unit.test_jobs:stack_limit_job", {}, tmp_path / "limit", timeout=120)
+    assert limit.ok and limit.value == want, (limit.value, want)
+    if want >= 256 * 2**20:
+        r = run_job("tests.unit.test_jobs:deep_c_recursion_job", {"depth": 200_000}, tmp_path / "deep", timeout=300)
+        assert r.ok and r.value == 400_002, (r.status, r.error)
+
+
 def test_exception_gives_first_error_line_and_traceback(tmp_path):
     r = run_job("tests.unit.test_jobs:failing_job", {}, tmp_path, timeout=120)
     assert r.status == "error" and r.error == "ValueError: bad tensor 'asr'"
