@@ -415,6 +415,27 @@ def check_executorch_instance_norm(program, inputs, expected):
     return 0, f"FIXED: rel_l2 {err:.3e}, PyTorch float32 {floor:.3e}"
 
 
+def check_tvm_instance_norm(program, inputs, expected):
+    """TVM Relax's InstanceNorm (topi): NaN, or an error far beyond PyTorch float32's, where the
+    variance cancels in one pass."""
+    import tvm
+    from tvm.relax.frontend.torch import from_exported_program
+
+    got = _tvm_run(from_exported_program(program), inputs)[0]
+    with torch.no_grad():
+        ours = program.module()(*[t.clone() for t in inputs])
+    ref = expected[0]
+    floor = float((ours.double() - ref).norm() / ref.norm())
+    nan = float(torch.isnan(got).float().mean())
+    if nan:
+        return 1, (f"REPRODUCED: {nan:.0%} NaN (TVM {tvm.__version__}) where PyTorch float32 is within rel_l2 "
+                   f"{floor:.1e} of float64: the variance, E[x^2] - E[x]^2 from float32 sums, is negative")
+    err = float((got.double() - ref).norm() / ref.norm())
+    if err > 4 * floor:
+        return 1, f"REPRODUCED: rel_l2 {err:.3e} against PyTorch float32's {floor:.3e} (one-pass variance)"
+    return 0, f"FIXED: rel_l2 {err:.3e}, PyTorch float32 {floor:.3e}"
+
+
 @dataclass(frozen=True)
 class Defect:
     name: str  # the bundle's directory: <runtime>-<short-name>
@@ -482,6 +503,18 @@ DEFECTS = [
            "tvm: stft_phase_where (patch)", _TVM,
            (("https://github.com/apache/tvm/issues/12292", "related, closed: boolean-mask indexing in the "
              "Relay PyTorch frontend (fixed there by apache/tvm#13306), not Relax's index_put"),)),
+    Defect("tvm-instancenorm-variance", "TVM Relax: InstanceNorm returns NaN on a long channel (one-pass float32 "
+           "variance)", "apache-tvm", "tvm", "numerics", "NaN",
+           lambda: (InstanceNorm(), _long_channel()), check_tvm_instance_norm,
+           ("kokoro/istftnet.py", "self.norm = nn.InstanceNorm1d(num_features, affine=True)"),
+           "relax.nn.instance_norm (topi.nn.instance_norm)", "none on tvm yet (the ExecuTorch backends' "
+           "instance_norm_float64_stats patch computes the statistics in float64 before export)",
+           _TVM,
+           (("https://github.com/apache/tvm/pull/14410", "the origin, merged 2023: TOPI instance_norm computes mean "
+             "and variance in one pass, delegated to layer norm's tuple reduction"),
+            ("https://github.com/apache/tvm/issues/19592", "related, closed 2026-05: LayerNormalization NaN on large "
+             "float32 inputs; fixed for layer_norm's legalization by apache/tvm#19643 (two-pass), not for "
+             "instance_norm in the 0.27.0.post1 wheel"))),
     Defect("tvm-onnx-lstm", "TVM Relax ONNX frontend: no LSTM converter", "apache-tvm", "tvm", "convert",
            "not supported for frontend ONNX: LSTM", lambda: (BiLSTM(), (torch.randn(1, 6, 8, generator=_gen()),)),
            check_tvm_onnx, ("kokoro/modules.py", "nn.LSTM("), "ONNX LSTM", "tvm-onnx: unrolled_lstm (patch)", _TVM,
@@ -591,7 +624,7 @@ if __name__ == "__main__":
 
 def repro_source(d: Defect) -> str:
     helpers = "".join(inspect.getsource(f) + "\n\n" for f in d.helpers)
-    if d.check in (check_tvm, check_tvm_onnx):
+    if d.check in (check_tvm, check_tvm_onnx, check_tvm_instance_norm):
         helpers += inspect.getsource(_tvm_run) + "\n\n"
     if d.check in (check_xnnpack_outside, check_xnnpack_cut):
         helpers += inspect.getsource(_xnnpack_lower) + "\n\n"

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Repro: TVM Relax: InstanceNorm returns NaN on a long channel (one-pass float32 variance)
+
+Minimal program: program.pt2 (torch.export of the module in REPORT.md), inputs.pt, and the float64
+result of the same program, expected.pt. Needs only torch, numpy and apache-tvm (versions in ENV.md).
+
+Exit code: 1 while the defect reproduces, 0 once it is fixed, 2 when it cannot run here (the
+runtime is not installed), 3 when it fails differently (read the output).
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+SIGNATURE = 'NaN'  # the text that is this defect
+
+
+def classify(error):
+    """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
+    import traceback
+
+    text = f"{type(error).__name__}: {error}"
+    frames = traceback.format_exception(type(error), error, error.__traceback__)
+    print("".join(frames[-6:]).rstrip())
+    if SIGNATURE in text:
+        return 1, f"REPRODUCED: {text.strip().splitlines()[-1][:300]}"
+    return 3, f"CHANGED: a different error than {SIGNATURE!r}: {text.strip().splitlines()[-1][:300]}"
+
+
+def values_match(program, inputs, expected, got, runtime):
+    """Converted and ran: compare with the float64 expected output, beside PyTorch float32's own error."""
+    with torch.no_grad():
+        ours = program.module()(*[t.clone() for t in inputs])
+    ours = list(ours) if isinstance(ours, (list, tuple)) else [ours]
+    worst = []
+    for ref, o32, out in zip(expected, ours, got):
+        out = torch.as_tensor(out).double().reshape(ref.shape)
+        if ref.dtype in (torch.bool, torch.int64, torch.int32):
+            worst.append((0.0 if torch.equal(out.to(ref.dtype), ref) else float("inf"), 0.0))
+            continue
+        norm = float(ref.norm()) or 1.0
+        worst.append((float((out - ref).norm()) / norm, float((o32.double() - ref).norm()) / norm))
+    bad = [(e, f) for e, f in worst if not (e == e) or e > max(1e-5, 4 * f)]
+    table = ", ".join(f"rel_l2 {e:.3e} (PyTorch fp32 {f:.3e})" for e, f in worst)
+    if bad:
+        return 3, f"CHANGED: {runtime} converts now, but its outputs differ from float64: {table}"
+    return 0, f"FIXED: {runtime} converts and matches float64 within 4 x PyTorch float32's error: {table}"
+
+
+def _tvm_run(mod, inputs):
+    import tvm
+    from tvm import relax
+
+    with tvm.transform.PassContext(opt_level=3):
+        executable = relax.build(mod, target="llvm")
+    out = relax.VirtualMachine(executable, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
+
+    def flatten(v):
+        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
+    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
+
+
+def check(program, inputs, expected):
+    """TVM Relax's InstanceNorm (topi): NaN, or an error far beyond PyTorch float32's, where the
+    variance cancels in one pass."""
+    import tvm
+    from tvm.relax.frontend.torch import from_exported_program
+
+    got = _tvm_run(from_exported_program(program), inputs)[0]
+    with torch.no_grad():
+        ours = program.module()(*[t.clone() for t in inputs])
+    ref = expected[0]
+    floor = float((ours.double() - ref).norm() / ref.norm())
+    nan = float(torch.isnan(got).float().mean())
+    if nan:
+        return 1, (f"REPRODUCED: {nan:.0%} NaN (TVM {tvm.__version__}) where PyTorch float32 is within rel_l2 "
+                   f"{floor:.1e} of float64: the variance, E[x^2] - E[x]^2 from float32 sums, is negative")
+    err = float((got.double() - ref).norm() / ref.norm())
+    if err > 4 * floor:
+        return 1, f"REPRODUCED: rel_l2 {err:.3e} against PyTorch float32's {floor:.3e} (one-pass variance)"
+    return 0, f"FIXED: rel_l2 {err:.3e}, PyTorch float32 {floor:.3e}"
+
+
+def main():
+    try:
+        import tvm  # noqa: F401
+    except ImportError as e:
+        print(f"cannot run here: {e}")
+        return 2
+    program = torch.export.load(str(HERE / "program.pt2"))
+    inputs = torch.load(HERE / "inputs.pt", weights_only=True)
+    expected = torch.load(HERE / "expected.pt", weights_only=True)["float64"]
+    print(f"torch {torch.__version__}, numpy {np.__version__}; inputs " +
+          ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs))
+    code, message = check(program, inputs, expected)
+    print(message)
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - not the defect's signature: exit 3, never 1
+        import traceback
+
+        traceback.print_exc()
+        print(f"CHANGED: repro.py itself failed: {type(e).__name__}: {e}")
+        sys.exit(3)
