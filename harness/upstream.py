@@ -507,8 +507,7 @@ DEFECTS = [
            "variance)", "apache-tvm", "tvm", "numerics", "NaN",
            lambda: (InstanceNorm(), _long_channel()), check_tvm_instance_norm,
            ("kokoro/istftnet.py", "self.norm = nn.InstanceNorm1d(num_features, affine=True)"),
-           "relax.nn.instance_norm (topi.nn.instance_norm)", "none on tvm yet (the ExecuTorch backends' "
-           "instance_norm_float64_stats patch computes the statistics in float64 before export)",
+           "relax.nn.instance_norm (topi.nn.instance_norm)", "tvm: instance_norm_float64_stats (patch)",
            _TVM,
            (("https://github.com/apache/tvm/pull/14410", "the origin, merged 2023: TOPI instance_norm computes mean "
              "and variance in one pass, delegated to layer norm's tuple reduction"),

@@ -44,6 +44,11 @@ TVM_WORKAROUNDS = {w.name: w for w in (
                "to have integer dtype' (CustomSTFT's phase[mask] = pi)", _TVM,
                "docs/upstream/tvm-index-put-bool/", patch="stft_phase_where"),
 )}
+# the `tvm` backend's own (tvm-onnx shares the two above): its InstanceNorm statistics in float64
+INSTANCE_NORM_FLOAT64_STATS = Workaround(
+    "instance_norm_float64_stats", "topi's instance_norm takes var = E[x^2] - E[x]^2 in one float32 pass: "
+    "negative on a long channel with a large mean, so 1/sqrt(var + eps) is NaN (en_long's f0n: F0 at 9.2x its "
+    "floor)", _TVM, "docs/upstream/tvm-instancenorm-variance/", patch="instance_norm_float64_stats")
 
 
 def converter_fixes(disabled=()) -> dict:
@@ -123,10 +128,10 @@ REPRO_RUNNER = '''def run_backend(program, inputs):
 class TvmBackend(Backend):
     name = "tvm"
     requires = ("tvm",)
-    patches = COMMON_PATCHES + TVM_PATCHES
+    patches = COMMON_PATCHES + TVM_PATCHES + ("instance_norm_float64_stats",)
     artifact_name = "model.so"
     run_imports = ("tvm", "tvm.relax")
-    workarounds = TVM_WORKAROUNDS
+    workarounds = {**TVM_WORKAROUNDS, INSTANCE_NORM_FLOAT64_STATS.name: INSTANCE_NORM_FLOAT64_STATS}
     audit_labels = {"ops_without_converter": "ops without a TVM converter"}
     description = f"Apache TVM Relax (from_exported_program, target {TARGET}, Relax VM)"
 
