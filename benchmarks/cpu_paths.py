@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 PATHS = {  # name -> environment
     "cpu's own": {},
     "mkl+aten avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
@@ -46,8 +47,9 @@ for mode in ("dynamic", "static"):
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    from harness.metrics.tensor import error_metrics
+
+    return error_metrics(a, b)["rel_l2"]
 
 
 def main() -> int:

@@ -26,6 +26,7 @@ INPUTS = ((100.0, 0.01, 4096), (10.0, 0.1, 4096), (2.25, 0.054, 184_321))
 def main() -> int:
     from tabulate import tabulate
 
+    from harness.metrics.tensor import error_metrics
     from harness.patches import PATCHES
     from harness.upstream import InstanceNorm, _tvm_run
 
@@ -35,9 +36,8 @@ def main() -> int:
         ref = torch.nn.functional.instance_norm(x.double(), eps=1e-5)
 
         def judge(name, got):
-            got = torch.as_tensor(got).double().reshape(ref.shape)
-            rows.append([f"mean {mean} std {std} n {n}", name, float(torch.isnan(got).double().mean()),
-                         float((got - ref).norm() / ref.norm())])
+            m = error_metrics(torch.as_tensor(got).reshape(ref.shape), ref)
+            rows.append([f"mean {mean} std {std} n {n}", name, m["nan_rate"], m["rel_l2"]])
 
         module = InstanceNorm(1).eval()
         with torch.no_grad():

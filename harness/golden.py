@@ -70,6 +70,7 @@ class GoldenStore:
     def floors(traces, mode: str) -> dict[str, float]:
         """Each float output's fp32 noise floor: relative L2 of the fresh float32 reference (valid
         region) against the float64 one of the same inputs; absent where no float64 run exists."""
+        from .metrics.tensor import error_metrics
         from .steps import STEPS
 
         out = {}
@@ -80,10 +81,10 @@ class GoldenStore:
             for name, value in traces.outputs(step.name, mode, "float32").items():
                 if name in SKIP_OUTPUTS or name not in f64 or not value.is_floating_point():
                     continue
-                a = traces.valid_region(step.name, name, value).double()
-                b = traces.valid_region(step.name, name, f64[name]).double()
-                norm = float(b.norm())
-                out[f"{step.name}.{name}"] = float((a - b).norm()) / norm if norm > 0 else 0.0
+                floor = error_metrics(traces.valid_region(step.name, name, value),
+                                      traces.valid_region(step.name, name, f64[name]))["rel_l2"]
+                if math.isfinite(floor):  # a non-finite reference widens nothing
+                    out[f"{step.name}.{name}"] = floor
         return out
 
     def write(self, case, mode: str, traces, model) -> Path:
