@@ -401,14 +401,20 @@ def check_executorch_instance_norm(program, inputs, expected):
     buffer = to_edge_transform_and_lower(program, partitioner=[]).to_executorch().buffer
     got = torch.as_tensor(Runtime.get().load_program(buffer).load_method("forward").execute(
         [t.contiguous() for t in inputs])[0])
+    return one_pass_variance_verdict(program, inputs, expected, got, "")
+
+
+def one_pass_variance_verdict(program, inputs, expected, got, runtime):
+    """(exit code, message) for an InstanceNorm's output `got`: NaN, or an error over 4x PyTorch
+    float32's own against float64, is the one-pass variance E[x^2] - E[x]^2 cancelling."""
     with torch.no_grad():
         ours = program.module()(*[t.clone() for t in inputs])
     ref = expected[0]
     floor = float((ours.double() - ref).norm() / ref.norm())
     nan = float(torch.isnan(got).float().mean())
     if nan:
-        return 1, (f"REPRODUCED: {nan:.0%} NaN where PyTorch float32 is within rel_l2 {floor:.1e} of float64: the "
-                   f"variance, E[x^2] - E[x]^2 from float32 sums, is negative")
+        return 1, (f"REPRODUCED: {nan:.0%} NaN{runtime} where PyTorch float32 is within rel_l2 {floor:.1e} of "
+                   f"float64: the variance, E[x^2] - E[x]^2 from float32 sums, is negative")
     err = float((got.double() - ref).norm() / ref.norm())
     if err > 4 * floor:
         return 1, f"REPRODUCED: rel_l2 {err:.3e} against PyTorch float32's {floor:.3e} (one-pass variance)"
@@ -422,18 +428,7 @@ def check_tvm_instance_norm(program, inputs, expected):
     from tvm.relax.frontend.torch import from_exported_program
 
     got = _tvm_run(from_exported_program(program), inputs)[0]
-    with torch.no_grad():
-        ours = program.module()(*[t.clone() for t in inputs])
-    ref = expected[0]
-    floor = float((ours.double() - ref).norm() / ref.norm())
-    nan = float(torch.isnan(got).float().mean())
-    if nan:
-        return 1, (f"REPRODUCED: {nan:.0%} NaN (TVM {tvm.__version__}) where PyTorch float32 is within rel_l2 "
-                   f"{floor:.1e} of float64: the variance, E[x^2] - E[x]^2 from float32 sums, is negative")
-    err = float((got.double() - ref).norm() / ref.norm())
-    if err > 4 * floor:
-        return 1, f"REPRODUCED: rel_l2 {err:.3e} against PyTorch float32's {floor:.3e} (one-pass variance)"
-    return 0, f"FIXED: rel_l2 {err:.3e}, PyTorch float32 {floor:.3e}"
+    return one_pass_variance_verdict(program, inputs, expected, got, f" (TVM {tvm.__version__})")
 
 
 @dataclass(frozen=True)
@@ -627,6 +622,8 @@ def repro_source(d: Defect) -> str:
         helpers += inspect.getsource(_tvm_run) + "\n\n"
     if d.check in (check_xnnpack_outside, check_xnnpack_cut):
         helpers += inspect.getsource(_xnnpack_lower) + "\n\n"
+    if d.check in (check_executorch_instance_norm, check_tvm_instance_norm):
+        helpers += inspect.getsource(one_pass_variance_verdict) + "\n\n"
     helpers += inspect.getsource(d.check).replace(f"def {d.check.__name__}(", "def check(", 1) + "\n"
     return (_REPRO.replace("@TITLE@", d.title).replace("@RUNTIME@", d.runtime).replace("@MODULE@", d.module)
             .replace("@SIGNATURE@", repr(d.signature)).replace("@HELPERS@", helpers))
