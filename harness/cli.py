@@ -20,6 +20,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with-patch", action="append", default=[], help="add a patch to every backend's own")
     p.add_argument("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
                    help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s), as pytest's")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   help="skip a compile whose backend's cost law estimates more memory (default: 80%% of this machine's)")
     p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",
                    help="run the backends without this named workaround (repeatable, or `all`; see `backends`)")
     p.add_argument("--target", default="local", metavar="NAME",
@@ -41,7 +43,7 @@ def cmd_run(args) -> int:
 
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit),
+                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit, args.memory_limit),
                       reuse_runs=args.reuse_runs)
     session.target_for(args.target)  # an unknown target or a malformed targets file: an error before any work
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]

@@ -69,6 +69,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
                 help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s); "
                      "past it the item is TIMEOUT")
+    g.addoption("--memory-limit", type=float, default=None, metavar="GB",
+                help="skip a compile whose backend's cost law estimates more memory (default: 80%% of this "
+                     "machine's; docs/performance.md)")
     g.addoption("--reuse-runs", action="store_true",
                 help="judge the saved outputs of a local run whose artifact and inputs ran before instead of running "
                      "it again (harness.plumbing.run_cache); without it every run runs")
@@ -230,7 +233,7 @@ def _session(config: pytest.Config):
                     report_dir=Path(config.getoption("--report-dir")),
                     profile=Profile.load(config.getoption("--profile")),
                     extra_patches=tuple(config.getoption("with_patch")),
-                    limits=Limits.parse(config.getoption("--time-limit")),
+                    limits=Limits.parse(config.getoption("--time-limit"), config.getoption("--memory-limit")),
                     target=config.getoption("--target"), targets_file=config.getoption("--targets-file"),
                     reuse_runs=config.getoption("--reuse-runs"),
                     cases_dirs=tuple(map(str, [*config.getoption("--cases-dir"), *config.getini("kokoro_parity_cases")])))

@@ -8,11 +8,12 @@ a hang or crash inside torch.export is an item's outcome.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from pathlib import Path
 
-from .plumbing.files import content_key, save_tensors
+from .plumbing.files import atomic_write_json, content_key, save_tensors
 from .plumbing.jobs import JobResult, cached_job
 
 PROGRAM_VERSION = 2  # bump when the export recipe changes: it invalidates cached programs
@@ -78,6 +79,39 @@ def export_step(weights: str | None, expected_digest: str, step: str, patches: l
     torch.export.save(program, out_path)
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     return {"export_s": export_s, "n_nodes": len(program.graph.nodes), "ops": dict(ops), "dropped": unused}
+
+
+def program_sizes(program_dir: Path, step: str) -> dict[str, float]:
+    """The sizes a backend's cost law is written in (harness.backends.cost): the exported nodes,
+    the time steps of the longest `aten.lstm` (which TVM's frontends write out one by one) and the
+    seconds of audio the step returns. Read from the program once (2 s for en_long's f0n) and kept
+    beside it in `sizes.json`."""
+    from .backends import cost
+
+    path = program_dir / "sizes.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    import torch
+
+    from .model import SAMPLE_RATE
+    from .steps import get_step
+
+    ops = json.loads((program_dir / "result.json").read_text())["value"]["ops"]
+    program = torch.export.load(program_dir / "program.pt2")
+    lstm_steps = 0
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.lstm.input:
+            shape, batch_first = node.args[0].meta["val"].shape, node.args[8]
+            lstm_steps = max(lstm_steps, int(shape[1] if batch_first else shape[0]))
+    outputs = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    audio_s = 0.0
+    for spec, node in zip(get_step(step).outputs, outputs):
+        for dim, name in spec.axes.items():
+            if name == "samples":
+                audio_s = max(audio_s, int(node.meta["val"].shape[dim]) / SAMPLE_RATE)
+    sizes = {cost.EXPORTED_NODES: sum(ops.values()), cost.LSTM_STEPS: lstm_steps, cost.AUDIO_SECONDS: audio_s}
+    atomic_write_json(path, sizes)
+    return sizes
 
 
 def unused_submodels(program, module) -> list[str]:

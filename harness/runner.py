@@ -9,6 +9,7 @@ reads the records this writes.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,16 +36,28 @@ class Item:
         return item_id(self.case, self.step, backend_label(self.backend, self.target), self.mode)
 
 
+MEMORY_SHARE = 0.8
+
+
 @dataclass
 class Limits:
     export_s: float = 1200
     compile_s: float = 2400
     run_s: float = 900
+    compile_gb: float | None = None  # None: MEMORY_SHARE of this machine's memory (--memory-limit)
+
+    def memory_gb(self) -> float:
+        """The memory a compile may be estimated to need (harness.backends.cost) before it is skipped:
+        by default MEMORY_SHARE of the machine's, the rest being the OS's, the pytest process's
+        (weights, references: 2-3 GB) and the run's."""
+        if self.compile_gb is not None:
+            return self.compile_gb
+        return MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
 
     @classmethod
-    def parse(cls, specs: list[str]) -> "Limits":
-        """From `PHASE=SECONDS` strings (`--time-limit compile=600`)."""
-        limits = cls()
+    def parse(cls, specs: list[str], memory_gb: float | None = None) -> "Limits":
+        """From `PHASE=SECONDS` strings (`--time-limit compile=600`) and `--memory-limit GB`."""
+        limits = cls(compile_gb=memory_gb)
         for spec in specs:
             phase, _, seconds = spec.partition("=")
             if phase not in ("export", "compile", "run"):
@@ -54,6 +67,12 @@ class Limits:
             except ValueError:
                 raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
         return limits
+
+
+def _amount(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value / 60:.0f} min" if value >= 120 else f"{value:.0f} s"
+    return f"{value:.1f} {unit}"
 
 
 @dataclass(frozen=True)
@@ -217,7 +236,7 @@ class Session:
             if not ok:
                 rec.verdict, rec.reason = Verdict.SKIPPED, f"not compiled: compiles on the target; {why}"
                 return None
-        over = self.over_compile_budget(backend, program_dir, program_key)
+        over = self.over_budget(backend, step, program_dir, program_key, here=target.kind == "local")
         if over:
             rec.verdict, rec.reason = Verdict.SKIPPED, over
             return None
@@ -249,23 +268,37 @@ class Session:
                 return None, key
         return entry, key
 
-    def over_compile_budget(self, backend: Backend, program_dir: Path, program_key: str) -> str:
-        """Why this program is not compiled at all (its estimated compile passes the compile limit),
-        or "". An artifact already in the cache is never skipped: it costs nothing."""
+    def over_budget(self, backend: Backend, step: str, program_dir: Path, program_key: str, here: bool) -> str:
+        """Why this program is not compiled at all, or "": a cost law of the backend
+        (harness.backends.cost) estimates its compile time, compile memory or run time past the
+        limit. The laws were measured on this kind of machine: they judge only what runs `here`
+        (a remote target's compile, or its run, is its own). An artifact already in the cache is
+        never skipped for its compile: it costs nothing."""
         from .plumbing import cache
+        from .programs import program_sizes
 
-        result = program_dir / "result.json"
-        if backend.compile_cost is None or not result.exists():
+        compiles_here = here or backend.compile_where != "target"
+        laws = ((backend.compile_time if compiles_here else None, self.limits.compile_s, "compile",
+                 "--time-limit compile=SECONDS"),
+                (backend.compile_memory if compiles_here else None, self.limits.memory_gb(), "compile memory",
+                 "--memory-limit GB"),
+                (backend.run_time if here else None, self.limits.run_s, "run", "--time-limit run=SECONDS"))
+        if not any(law for law, *_ in laws) or not (program_dir / "result.json").exists():
             return ""
-        n_nodes = sum(json.loads(result.read_text())["value"].get("ops", {}).values())  # call_function nodes
-        estimate = backend.compile_estimate_s(n_nodes)
-        if estimate <= self.limits.compile_s or cache.lookup("artifacts", backend.artifact_key(program_key)):
-            return ""
-        nodes, seconds, exponent = backend.compile_cost
-        return (f"not compiled: {backend.name}'s compile grows as the graph's size to the power {exponent:.2f} "
-                f"({seconds:.0f} s at {nodes:,} exported nodes; docs/performance.md), so this program's "
-                f"{n_nodes:,} nodes would take about {estimate / 60:.1f} min, over the compile limit of "
-                f"{self.limits.compile_s / 60:.0f} min (--time-limit compile=SECONDS to try)")
+        compiled = cache.lookup("artifacts", backend.artifact_key(program_key)) is not None
+        sizes = program_sizes(program_dir, step)
+        for law, limit, what, flag in laws:
+            size = sizes.get(law.size) if law else None
+            if not size or (compiled and what != "run"):
+                continue
+            estimate = law.estimate(size)
+            if estimate > limit:
+                need, has = (_amount(estimate, law.unit), _amount(limit, law.unit))
+                verb = "take" if law.unit == "s" else "need"
+                return (f"not compiled: {backend.name}'s {what} {law.describe()}, so this program's "
+                        f"{size:,.{0 if size >= 100 else 1}f} {law.size} would {verb} about {need}, over the "
+                        f"{what} limit of {has} ({flag} to try)")
+        return ""
 
     def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,
                  tag: str = "", target=None) -> Path | None:

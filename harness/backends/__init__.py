@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cost import CostLaw
+
 ENTRY_POINT_GROUP = "kokoro_parity.backends"
 COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
 EXTRA_ENV = "KOKORO_PARITY_EXTRA_BACKENDS"  # "name=module:Class,...": backends outside the package
@@ -138,17 +140,12 @@ class Backend:
         helpers with `inspect.getsource`). None: the bundle's repro.py exits 2, "cannot run here"."""
         return None
 
-    # A compile whose time grows faster than the exported graph (TVM's ONNX frontend on an LSTM
-    # written out step by step): (exported nodes, seconds, exponent) of a measured power law, from
-    # benchmarks/lstm_scaling.py (docs/performance.md). The runner skips, before compiling, a program
-    # whose estimate passes the compile limit: a TIMEOUT known in advance. None: no model.
-    compile_cost: tuple[int, float, float] | None = None
-
-    def compile_estimate_s(self, n_nodes: int) -> float | None:
-        if self.compile_cost is None:
-            return None
-        nodes, seconds, exponent = self.compile_cost
-        return seconds * (n_nodes / nodes) ** exponent
+    # Measured cost laws (harness.backends.cost): the runner SKIPs, before compiling, a program
+    # whose estimated compile time, compile memory or run time passes its limit: a TIMEOUT or an
+    # out-of-memory kill known in advance, with the law as the reason. None: no law.
+    compile_time: CostLaw | None = None
+    compile_memory: CostLaw | None = None
+    run_time: CostLaw | None = None
 
     def runnable(self) -> tuple[bool, str]:
         """Whether `run` can execute here; compiling may still work (Core ML converts on Linux and

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import Backend, Workaround
+from .cost import EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
 
 ONNX_NAME = "model.onnx"
@@ -176,7 +177,7 @@ class TvmOnnxBackend(Backend):
     # compile grows faster than the graph. `benchmarks/lstm_scaling.py --impl unrolled --backend
     # tvm-onnx --T 64 --T 128` (2026-11-24, idle): 42.6 s at 1,897 nodes, 119.3 s at 3,753; ja's
     # duration_encoder (static) took 465 s where this predicts about 400.
-    compile_cost = (3753, 119.3, 1.51)
+    compile_time = CostLaw(EXPORTED_NODES, "s", ((1897, 42.6), (3753, 119.3)))
     requires = ("tvm", "onnx", "onnxscript")
     # TVM 0.27's Relax ONNX frontend has no LSTM converter ("OpNotImplemented: ... LSTM"): the LSTM
     # steps get the cell written out (unrolled_lstm); every other step shares onnxruntime's ONNX file

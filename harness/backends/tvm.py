@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
+from .cost import LSTM_STEPS, CostLaw
 
 TARGET = "llvm"
 # harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
@@ -134,6 +135,12 @@ class TvmBackend(Backend):
     workarounds = {**TVM_WORKAROUNDS, INSTANCE_NORM_FLOAT64_STATS.name: INSTANCE_NORM_FLOAT64_STATS}
     audit_labels = {"ops_without_converter": "ops without a TVM converter"}
     description = f"Apache TVM Relax (from_exported_program, target {TARGET}, Relax VM)"
+    # Relax's `_lstm` writes one cell per time step, and the compile's peak memory grows with the
+    # square of the steps (findings 13): a bare Kokoro LSTM by `benchmarks/lstm_scaling.py --impl
+    # aten --backend tvm` at T = 64-512 (2026-11-25), en_long's f0n at 1,078 frames (its record);
+    # at 1,536 frames it was OOM-killed at 22.2 GB, where this law says 19.6.
+    compile_memory = CostLaw(LSTM_STEPS, "GB", ((64, 0.75), (128, 0.99), (256, 1.63), (512, 3.51), (1078, 10.73)),
+                             form="quadratic")
 
     def version(self) -> str:
         return tvm_version() + self.workaround_tag()

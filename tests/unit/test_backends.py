@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -567,27 +566,60 @@ def test_reuse_runs_judges_the_saved_outputs_again_without_running(tiny_session)
 
 @pytest.mark.slow
 def test_a_compile_estimated_past_the_limit_is_skipped_before_it_starts(tiny_session, monkeypatch):
-    """A backend whose frontend writes every node out (`compile_cost`) skips a program whose
+    """A backend whose frontend writes every node out (`compile_time`) skips a program whose
     estimate passes the compile limit, saying the figures and how to lift it; under the limit, or
     once its artifact is in the cache, it compiles and runs."""
+    from harness.backends.cost import EXPORTED_NODES, CostLaw
     from harness.runner import Item, Limits
     from harness.verdict import Verdict
 
     cls = type(get_backend("example-interpreter"))
     item = Item("tiny", "duration", "example-interpreter", "static")
-    monkeypatch.setattr(cls, "compile_cost", (1, 1.0, 6.0))  # any step: days
+    monkeypatch.setattr(cls, "compile_time", CostLaw(EXPORTED_NODES, "s", ((1, 1.0), (2, 64.0))))  # days
     skipped = tiny_session.run(item)
     assert skipped.verdict is Verdict.SKIPPED, skipped.reason
-    assert "not compiled: example-interpreter's compile grows as the graph's size to the power 6.00" in skipped.reason
-    assert "over the compile limit of 10 min (--time-limit compile=SECONDS" in skipped.reason
+    assert ("not compiled: example-interpreter's compile grows as the exported nodes to the power 6.00 "
+            "(measured: 1.0 s at 1, 64.0 s at 2 exported nodes; docs/performance.md)") in skipped.reason
+    assert "over the compile limit of 10 min (--time-limit compile=SECONDS to try)" in skipped.reason
     assert "compile_s" not in skipped.timings  # nothing was compiled
-    limits, tiny_session.limits = tiny_session.limits, Limits(compile_s=10 ** 7)
+    limits, tiny_session.limits = tiny_session.limits, Limits(compile_s=10 ** 30)
     try:
         ran = tiny_session.run(item)
     finally:
         tiny_session.limits = limits
     assert ran.verdict is Verdict.PASS and ran.timings["compile_s"] > 0, ran.reason
     assert tiny_session.run(item).verdict is Verdict.PASS  # cached now: costs nothing, never skipped
+
+
+@pytest.mark.slow
+def test_compile_memory_and_run_time_laws_skip_in_their_own_sizes(tiny_session, monkeypatch):
+    """TVM writes an LSTM out per step (compile memory grows with its steps), portable runs the
+    vocoder slower than real time: each law reads its own size of the program (the longest
+    LSTM's steps, the seconds of audio), and a program without that size is never skipped by it."""
+    from harness.backends.cost import AUDIO_SECONDS, LSTM_STEPS, CostLaw
+    from harness.runner import Item, Limits
+    from harness.verdict import Verdict
+
+    cls = type(get_backend("example-interpreter"))
+    monkeypatch.setattr(cls, "compile_memory", CostLaw(LSTM_STEPS, "GB", ((1, 1.0), (2, 2.0), (4, 8.0)),
+                                                       form="quadratic"))
+    monkeypatch.setattr(tiny_session, "limits", Limits(compile_gb=100.0))
+    # f0n's LSTM runs over the 128-frame bucket: about 10,800 GB; duration's over 8 tokens: 36 GB
+    f0n = tiny_session.run(Item("tiny", "f0n", "example-interpreter", "static"))
+    assert f0n.verdict is Verdict.SKIPPED and "compile_s" not in f0n.timings, f0n.reason
+    assert ("not compiled: example-interpreter's compile memory grows with the square of the LSTM steps "
+            "(measured: 1.0 GB at 1, 2.0 GB at 2, 8.0 GB at 4 LSTM steps;") in f0n.reason
+    assert "so this program's 128 LSTM steps would need about" in f0n.reason
+    assert "over the compile memory limit of 100.0 GB (--memory-limit GB to try)" in f0n.reason
+    assert tiny_session.run(Item("tiny", "duration", "example-interpreter", "static")).verdict is Verdict.PASS
+    assert tiny_session.run(Item("tiny", "bert_encoder", "example-interpreter", "static")).verdict is Verdict.PASS
+
+    monkeypatch.setattr(cls, "compile_memory", None)
+    monkeypatch.setattr(cls, "run_time", CostLaw(AUDIO_SECONDS, "s", ((0.1, 1000.0), (0.2, 2000.0))))
+    decoder = tiny_session.run(Item("tiny", "decoder", "example-interpreter", "static"))
+    assert decoder.verdict is Verdict.SKIPPED and "compile_s" not in decoder.timings, decoder.reason
+    assert "s of audio would take about" in decoder.reason and "over the run limit of 15 min" in decoder.reason
+    assert tiny_session.run(Item("tiny", "f0n", "example-interpreter", "static")).verdict is Verdict.PASS
 
 
 @pytest.mark.slow
