@@ -180,8 +180,9 @@ class TvmOnnxBackend(Backend):
     compile_time = CostLaw(EXPORTED_NODES, "s", ((1897, 42.6), (3753, 119.3)))
     requires = ("tvm", "onnx", "onnxscript")
     # TVM 0.27's Relax ONNX frontend has no LSTM converter ("OpNotImplemented: ... LSTM"): the LSTM
-    # steps get the cell written out (unrolled_lstm); every other step shares onnxruntime's ONNX file
-    patches = ONNX_PATCHES + ("unrolled_lstm",)
+    # steps get the cell written out (unrolled_lstm), the InstanceNorms their statistics in float64;
+    # the other steps share onnxruntime's ONNX file
+    patches = ONNX_PATCHES + ("unrolled_lstm", "instance_norm_float64_stats")
     audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate",
                     "onnx_ops_without_tvm_converter": "ONNX ops without a TVM converter"}
     workarounds = {w.name: w for w in (
@@ -191,6 +192,11 @@ class TvmOnnxBackend(Backend):
         Workaround("stft_phase_where", "CustomSTFT's boolean phase[mask] = pi exports as NonZero + ScatterND, which "
                    "the Relax ONNX frontend rejects ('ScatterND op requires the updates tensor to have the shape')",
                    "apache-tvm 0.27.0.post1", "no bundle yet", patch="stft_phase_where"),
+        Workaround("instance_norm_float64_stats", "the Relax ONNX frontend converts InstanceNormalization as mean and "
+                   "relax variance in float32: finite, but 40-160x PyTorch float32's error on a long channel (en_long's "
+                   "shape: 3.3e-4 against 2.1e-6; benchmarks/instance_norm_runtimes.py)", "apache-tvm 0.27.0.post1",
+                   "no bundle yet (topi's twin: docs/upstream/tvm-instancenorm-variance/)",
+                   patch="instance_norm_float64_stats"),
     )}
     artifact_name = "model.so"
     run_imports = ("tvm", "tvm.relax")
