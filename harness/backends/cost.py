@@ -18,7 +18,7 @@ import numpy as np
 # The sizes of a program a law can be written in (harness.programs.program_sizes computes them).
 EXPORTED_NODES = "exported nodes"
 LSTM_STEPS = "LSTM steps"  # the time steps of the program's longest aten.lstm
-AUDIO_SECONDS = "s of audio"  # the audio an audio step returns, at Kokoro's 24 kHz
+AUDIO_SECONDS = "seconds of audio"  # the audio an audio step returns, at Kokoro's 24 kHz
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import Backend, Workaround
+from .cost import AUDIO_SECONDS, CostLaw
 
 
 def _core_aten_violations(program) -> dict[str, int]:
@@ -178,6 +179,10 @@ class PortableBackend(XnnpackBackend):
     # stft_phase_where (the slow index_put is a portable kernel either way)
     workarounds = {"scan_lstm": SCAN_LSTM, "stft_phase_where": STFT_PHASE_WHERE,
                    "instance_norm_float64_stats": INSTANCE_NORM_FLOAT64_STATS}
+    # Portable kernels run Kokoro's vocoder at about 97x real time, linear in the audio:
+    # `benchmarks/run_cost.py --backend portable` (2026-11-25, decoder buckets of 48, 96, 144 frames,
+    # random weights: run time depends on shapes). en_short's real decoder took 354 s for 3.6 s.
+    run_time = CostLaw(AUDIO_SECONDS, "s", ((1.2, 116.3), (2.4, 235.1), (3.6, 345.6)))
 
     def partitioners(self) -> list:
         return []
