@@ -148,57 +148,74 @@ _PREDICTOR_SEG = re.compile(r"^(F0|N)(\.\d+|_proj)$|^shared$")
 _STFT_PREFIX = "decoder.decoder.generator.stft."
 
 
-def rebuild_checkpoint(onnx_path: str | Path):  # long: one pass over the graph, its naming rules side by side
+def rebuild_checkpoint(onnx_path: str | Path):
     """Dequantize the int8 ONNX into a float32 checkpoint in the kokoro-v1_0.pth format.
 
     Returns (checkpoint, RebuildReport). Raises ValueError if the graph does not match
     KOKORO_V1_CONFIG or a KModel parameter is neither in the graph nor a documented gap.
     """
-    import numpy as np
     import onnx
-    import torch
-    from onnx import numpy_helper
 
-    model = onnx.load(str(onnx_path))
-    graph = model.graph
-    raw = {t.name: t for t in graph.initializer}
-    cache: dict[str, np.ndarray] = {}
+    graph = onnx.load(str(onnx_path)).graph
+    rebuild = _Rebuild(graph)
+    _check_graph(graph, rebuild.arr)
+    rebuild.map_weight_nodes()
+    rebuild.map_named_floats()
+    rebuild.note_unmapped()
+    rebuild.fill_defaults()
+    if rebuild.problems:
+        raise ValueError("rebuild failed:\n  " + "\n  ".join(rebuild.problems))
+    return rebuild.checkpoint(), rebuild.report
 
-    def arr(name: str) -> np.ndarray:
-        if name not in cache:
-            cache[name] = numpy_helper.to_array(raw[name])
-        return cache[name]
 
-    _check_graph(graph, arr)
+class _Rebuild:
+    """One pass over the graph: each rule of the module docstring is one method, and every
+    problem is collected so that a failed rebuild names all of them at once."""
 
-    with torch.device("meta"):  # only the key names and shapes are needed
-        kmodel = build_empty_kmodel()
-    shapes = {f"{top}.{k}": tuple(v.shape)
-              for top in CHECKPOINT_KEYS for k, v in getattr(kmodel, top).state_dict().items()}
-    del kmodel
+    def __init__(self, graph):
+        import torch
 
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    problems: list[str] = []
-    report = RebuildReport()
+        self.graph = graph
+        self.raw = {t.name: t for t in graph.initializer}
+        self._arrays: dict = {}
+        with torch.device("meta"):  # only the key names and shapes are needed
+            kmodel = build_empty_kmodel()
+        self.shapes = {f"{top}.{k}": tuple(v.shape)
+                       for top in CHECKPOINT_KEYS for k, v in getattr(kmodel, top).state_dict().items()}
+        self.out: dict = {}
+        self.used: set[str] = set()
+        self.problems: list[str] = []
+        self.report = RebuildReport()
 
-    def put(key: str, value: np.ndarray, *sources: str) -> None:
-        if key not in shapes:
-            problems.append(f"{key}: not a KModel parameter (from {sources[0]})")
+    def arr(self, name: str):
+        from onnx import numpy_helper
+
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self.raw[name])
+        return self._arrays[name]
+
+    def put(self, key: str, value, *sources: str) -> None:
+        import numpy as np
+        import torch
+
+        if key not in self.shapes:
+            self.problems.append(f"{key}: not a KModel parameter (from {sources[0]})")
             return
-        if tuple(value.shape) != shapes[key]:
-            problems.append(f"{key}: ONNX gives {tuple(value.shape)}, KModel wants {shapes[key]}")
+        if tuple(value.shape) != self.shapes[key]:
+            self.problems.append(f"{key}: ONNX gives {tuple(value.shape)}, KModel wants {self.shapes[key]}")
             return
         t = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32).copy())
-        if key in out and not torch.equal(out[key], t):
-            problems.append(f"{key}: mapped twice with different values")
-        out[key] = t
-        used.update(sources)
+        if key in self.out and not torch.equal(self.out[key], t):
+            self.problems.append(f"{key}: mapped twice with different values")
+        self.out[key] = t
+        self.used.update(sources)
 
-    def put_weight(base: str, w: np.ndarray, *sources: str) -> None:
+    def put_weight(self, base: str, w, *sources: str) -> None:
         """A conv/linear weight; split into weight_g/weight_v where KModel uses weight_norm."""
-        if f"{base}.weight_v" not in shapes:
-            put(f"{base}.weight", w, *sources)
+        import numpy as np
+
+        if f"{base}.weight_v" not in self.shapes:
+            self.put(f"{base}.weight", w, *sources)
             return
         flat = w.reshape(w.shape[0], -1).astype(np.float64)
         norm = np.sqrt((flat * flat).sum(axis=1))
@@ -206,18 +223,20 @@ def rebuild_checkpoint(onnx_path: str | Path):  # long: one pass over the graph,
         v = w.copy()
         if zero.any():
             v[zero] = 1.0  # g = 0 keeps the channel at exactly 0 without 0/0
-            report.zero_channels.append((f"{base}.weight_g", int(zero.sum())))
-        put(f"{base}.weight_v", v, *sources)
-        put(f"{base}.weight_g", norm.astype(np.float32).reshape((-1,) + (1,) * (w.ndim - 1)), *sources)
+            self.report.zero_channels.append((f"{base}.weight_g", int(zero.sum())))
+        self.put(f"{base}.weight_v", v, *sources)
+        self.put(f"{base}.weight_g", norm.astype(np.float32).reshape((-1,) + (1,) * (w.ndim - 1)), *sources)
 
-    def deq(qname: str, zp_name: str, scale_name: str | None = None, axis: int = -1) -> np.ndarray:
+    def deq(self, qname: str, zp_name: str, scale_name: str | None = None, axis: int = -1):
         """(q - zp) * scale, with a non-scalar zp/scale along `axis` of q."""
+        import numpy as np
+
         scale_name = scale_name or _scale_name(qname)
-        if scale_name not in raw:
-            problems.append(f"{qname}: no scale initializer {scale_name}")
-            return arr(qname).astype(np.float32)
-        q, zp, s = arr(qname).astype(np.float32), arr(zp_name).astype(np.float32), arr(scale_name)
-        used.update((zp_name, scale_name))
+        if scale_name not in self.raw:
+            self.problems.append(f"{qname}: no scale initializer {scale_name}")
+            return self.arr(qname).astype(np.float32)
+        q, zp, s = self.arr(qname).astype(np.float32), self.arr(zp_name).astype(np.float32), self.arr(scale_name)
+        self.used.update((zp_name, scale_name))
         bshape = [1] * q.ndim
         bshape[axis] = -1
         if zp.size > 1:
@@ -226,74 +245,82 @@ def rebuild_checkpoint(onnx_path: str | Path):  # long: one pass over the graph,
             s = s.reshape(bshape)
         return (q - zp) * s.astype(np.float32)
 
-    consumers: dict[str, list] = {}
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node, i))
+    def place(self, node, suffix: str = "") -> str:
+        """The KModel module a node's weight belongs to, from the node's name."""
+        return _resolve(_node_path(node.name), self.shapes, suffix)
 
-    for node in graph.node:
-        op, ins = node.op_type, list(node.input)
-        if op == "MatMulInteger" and len(ins) > 1 and ins[1] in raw:
-            if ins[1] in used:
-                continue  # a shared ALBERT weight seen at an earlier call
-            w = deq(ins[1], ins[3])  # [in, out], per-output scale and zero point
-            put_weight(_resolve(_node_path(node.name), shapes), w.T, ins[1])
-        elif op == "ConvInteger" and ins[1] in raw:
-            w = deq(ins[1], ins[3])
-            put_weight(_resolve(_node_path(node.name), shapes), w, ins[1])
-        elif op in ("Conv", "ConvTranspose") and ins[1] in raw and not ins[1].startswith(_STFT_PREFIX):
-            put_weight(_resolve(_node_path(node.name), shapes), arr(ins[1]), ins[1])
-        elif op == "MatMul" and len(ins) > 1 and ins[1] in raw:
-            put_weight(_resolve(_node_path(node.name), shapes), arr(ins[1]).T, ins[1])
-        elif op == "Gather" and ins[0] in raw and raw[ins[0]].data_type in (2, 3):
-            dq = [n for n, i in consumers.get(node.output[0], []) if n.op_type == "DequantizeLinear"]
-            if len(dq) != 1:
-                problems.append(f"{node.name}: quantized Gather without a single DequantizeLinear")
+    def map_weight_nodes(self) -> None:
+        """Weights found through the node that consumes them, placed by the node's name."""
+        consumers: dict[str, list] = {}
+        for node in self.graph.node:
+            for i, name in enumerate(node.input):
+                consumers.setdefault(name, []).append((node, i))
+        raw, arr = self.raw, self.arr
+        for node in self.graph.node:
+            op, ins = node.op_type, list(node.input)
+            if op == "MatMulInteger" and len(ins) > 1 and ins[1] in raw:
+                if ins[1] in self.used:
+                    continue  # a shared ALBERT weight seen at an earlier call
+                w = self.deq(ins[1], ins[3])  # [in, out], per-output scale and zero point
+                self.put_weight(self.place(node), w.T, ins[1])
+            elif op == "ConvInteger" and ins[1] in raw:
+                self.put_weight(self.place(node), self.deq(ins[1], ins[3]), ins[1])
+            elif op in ("Conv", "ConvTranspose") and ins[1] in raw and not ins[1].startswith(_STFT_PREFIX):
+                self.put_weight(self.place(node), arr(ins[1]), ins[1])
+            elif op == "MatMul" and len(ins) > 1 and ins[1] in raw:
+                self.put_weight(self.place(node), arr(ins[1]).T, ins[1])
+            elif op == "Gather" and ins[0] in raw and raw[ins[0]].data_type in (2, 3):
+                dq = [n for n, i in consumers.get(node.output[0], []) if n.op_type == "DequantizeLinear"]
+                if len(dq) != 1:
+                    self.problems.append(f"{node.name}: quantized Gather without a single DequantizeLinear")
+                    continue
+                self.put_weight(self.place(node), self.deq(ins[0], dq[0].input[2], dq[0].input[1]), ins[0])
+            elif op == "DynamicQuantizeLSTM":
+                _put_lstm(node, self.place(node, suffix=".weight_ih_l0"), self.deq, arr, self.put, self.problems)
+
+    def map_named_floats(self) -> None:
+        """Float initializers that kept their torch names (biases, norms, alphas, ...)."""
+        for name, t in self.raw.items():
+            if name in self.used or t.data_type != 1 or name.startswith(("/", "onnx::")) or name.endswith("_scale"):
                 continue
-            w = deq(ins[0], dq[0].input[2], dq[0].input[1])
-            put_weight(_resolve(_node_path(node.name), shapes), w, ins[0])
-        elif op == "DynamicQuantizeLSTM":
-            _put_lstm(node, _resolve(_node_path(node.name), shapes, suffix=".weight_ih_l0"),
-                      deq, arr, put, problems)
+            key = _name_key(name)
+            if key is not None and key in self.shapes:
+                self.put(key, self.arr(name), name)
 
-    # Float initializers that kept their torch names (biases, norms, alphas, ...).
-    for name, t in raw.items():
-        if name in used or t.data_type != 1 or name.startswith(("/", "onnx::")) or name.endswith("_scale"):
-            continue
-        key = _name_key(name)
-        if key is not None and key in shapes:
-            put(key, arr(name), name)
+    def note_unmapped(self) -> None:
+        """Everything else must be a known non-parameter constant; the rest is reported."""
+        for name, t in self.raw.items():
+            if name in self.used or t.data_type in (6, 7):  # int32/int64: shapes, indices, position ids
+                continue
+            if (_CONST_NAME.search(name) or _RECIPROCAL_NAME.search(name)
+                    or name.startswith(_STFT_PREFIX)):  # iSTFT basis/window, not KModel state
+                continue
+            self.report.unmapped_initializers.append(name)
 
-    # Everything else must be a known non-parameter constant.
-    for name, t in raw.items():
-        if name in used or t.data_type in (6, 7):  # int32/int64: shapes, indices, position ids
-            continue
-        if (_CONST_NAME.search(name) or _RECIPROCAL_NAME.search(name)
-                or name.startswith(_STFT_PREFIX)):  # iSTFT basis/window, not KModel state
-            continue
-        report.unmapped_initializers.append(name)
+    def fill_defaults(self) -> None:
+        """Parameters absent from the graph: a documented default (`_DEFAULTS`) or a problem."""
+        import torch
 
-    for key, shape in shapes.items():
-        if key in out:
-            continue
-        for pattern, value, reason in _DEFAULTS:
-            if pattern.match(key):
-                out[key] = torch.full(shape, value, dtype=torch.float32)
-                report.filled_defaults.append((key, reason))
-                break
-        else:
-            problems.append(f"{key}: not in the ONNX graph and not a documented gap")
-    if problems:
-        raise ValueError("rebuild failed:\n  " + "\n  ".join(problems))
+        for key, shape in self.shapes.items():
+            if key in self.out:
+                continue
+            for pattern, value, reason in _DEFAULTS:
+                if pattern.match(key):
+                    self.out[key] = torch.full(shape, value, dtype=torch.float32)
+                    self.report.filled_defaults.append((key, reason))
+                    break
+            else:
+                self.problems.append(f"{key}: not in the ONNX graph and not a documented gap")
 
-    filled = {k for k, _ in report.filled_defaults}
-    report.params_total = sum(t.numel() for t in out.values())
-    report.params_from_onnx = sum(t.numel() for k, t in out.items() if k not in filled)
-    checkpoint: dict[str, dict[str, torch.Tensor]] = {top: {} for top in CHECKPOINT_KEYS}
-    for key in shapes:  # KModel's own key order
-        top, rest = key.split(".", 1)
-        checkpoint[top][rest] = out[key]
-    return checkpoint, report
+    def checkpoint(self) -> dict:
+        filled = {k for k, _ in self.report.filled_defaults}
+        self.report.params_total = sum(t.numel() for t in self.out.values())
+        self.report.params_from_onnx = sum(t.numel() for k, t in self.out.items() if k not in filled)
+        checkpoint: dict = {top: {} for top in CHECKPOINT_KEYS}
+        for key in self.shapes:  # KModel's own key order
+            top, rest = key.split(".", 1)
+            checkpoint[top][rest] = self.out[key]
+        return checkpoint
 
 
 def _scale_name(qname: str) -> str:

@@ -269,7 +269,7 @@ class Session:
         return entry, key
 
     def over_budget(self, backend: Backend, step: str, program_dir: Path, program_key: str, here: bool) -> str:
-        """Why this program is not compiled at all, or "": a cost law of the backend
+        """Why this program is not compiled (nor run) at all, or "": a cost law of the backend
         (harness.backends.cost) estimates its compile time, compile memory or run time past the
         limit. The laws were measured on this kind of machine: they judge only what runs `here`
         (a remote target's compile, or its run, is its own). An artifact already in the cache is
@@ -295,9 +295,9 @@ class Session:
             if estimate > limit:
                 need, has = (_amount(estimate, law.unit), _amount(limit, law.unit))
                 verb = "take" if law.unit == "s" else "need"
-                return (f"not compiled: {backend.name}'s {what} {law.describe()}, so this program's "
-                        f"{size:,.{0 if size >= 100 else 1}f} {law.size} would {verb} about {need}, over the "
-                        f"{what} limit of {has} ({flag} to try)")
+                return (f"not {'run' if what == 'run' else 'compiled'}: {backend.name}'s {what} {law.describe()}, "
+                        f"so this program's {size:,.{0 if size >= 100 else 1}f} {law.size} would {verb} about {need}, "
+                        f"over the {what} limit of {has} ({flag} to try)")
         return ""
 
     def artifact(self, backend: Backend, step: str, program_dir: Path, program_key: str, rec: Record,

@@ -618,6 +618,7 @@ def test_compile_memory_and_run_time_laws_skip_in_their_own_sizes(tiny_session, 
     monkeypatch.setattr(cls, "run_time", CostLaw(AUDIO_SECONDS, "s", ((0.1, 1000.0), (0.2, 2000.0))))
     decoder = tiny_session.run(Item("tiny", "decoder", "example-interpreter", "static"))
     assert decoder.verdict is Verdict.SKIPPED and "compile_s" not in decoder.timings, decoder.reason
+    assert decoder.reason.startswith("not run: example-interpreter's run grows as the seconds of audio to the power")
     assert "seconds of audio would take about" in decoder.reason and "over the run limit of 15 min" in decoder.reason
     assert tiny_session.run(Item("tiny", "f0n", "example-interpreter", "static")).verdict is Verdict.PASS
 
