@@ -70,8 +70,8 @@ class Limits:
 
 
 def _amount(value: float, unit: str) -> str:
-    if unit == "s":
-        return f"{value / 60:.0f} min" if value >= 120 else f"{value:.0f} s"
+    if unit == "s":  # 923 s against a 900 s limit reads "15.4 min", not "15 min"
+        return f"{value / 60:.0f} min" if value >= 1800 else f"{value / 60:.1f} min" if value >= 120 else f"{value:.0f} s"
     return f"{value:.1f} {unit}"
 
 

@@ -580,7 +580,7 @@ def test_a_compile_estimated_past_the_limit_is_skipped_before_it_starts(tiny_ses
     assert skipped.verdict is Verdict.SKIPPED, skipped.reason
     assert ("not compiled: example-interpreter's compile grows as the exported nodes to the power 6.00 "
             "(measured: 1.0 s at 1, 64.0 s at 2 exported nodes; docs/performance.md)") in skipped.reason
-    assert "over the compile limit of 10 min (--time-limit compile=SECONDS to try)" in skipped.reason
+    assert "over the compile limit of 10.0 min (--time-limit compile=SECONDS to try)" in skipped.reason
     assert "compile_s" not in skipped.timings  # nothing was compiled
     limits, tiny_session.limits = tiny_session.limits, Limits(compile_s=10 ** 30)
     try:
@@ -619,7 +619,7 @@ def test_compile_memory_and_run_time_laws_skip_in_their_own_sizes(tiny_session, 
     decoder = tiny_session.run(Item("tiny", "decoder", "example-interpreter", "static"))
     assert decoder.verdict is Verdict.SKIPPED and "compile_s" not in decoder.timings, decoder.reason
     assert decoder.reason.startswith("not run: example-interpreter's run grows as the seconds of audio to the power")
-    assert "seconds of audio would take about" in decoder.reason and "over the run limit of 15 min" in decoder.reason
+    assert "seconds of audio would take about" in decoder.reason and "over the run limit of 15.0 min" in decoder.reason
     assert tiny_session.run(Item("tiny", "f0n", "example-interpreter", "static")).verdict is Verdict.PASS
 
 
