@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
-from .cost import LSTM_STEPS, CostLaw
+from .cost import AUDIO_SECONDS, LSTM_STEPS, CostLaw
 
 TARGET = "llvm"
 # harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
@@ -141,6 +141,10 @@ class TvmBackend(Backend):
     # at 1,536 frames it was OOM-killed at 22.2 GB, where this law says 19.6.
     compile_memory = CostLaw(LSTM_STEPS, "GB", ((64, 0.75), (128, 0.99), (256, 1.63), (512, 3.51), (1078, 10.73)),
                              form="quadratic")
+    # The vocoder (untuned llvm, with the float64 InstanceNorm statistics) runs at 20x real time on
+    # short buckets (`benchmarks/run_cost.py --backend tvm`, 48-144 frames) and 29x on en_long's
+    # 27 s (its decoder record, 2026-11-25): a power of 1.13, so en_long's 38.4 s bucket is ~19 min.
+    run_time = CostLaw(AUDIO_SECONDS, "s", ((1.2, 24.1), (2.4, 49.1), (3.6, 71.8), (26.95, 783.5)))
 
     def version(self) -> str:
         return tvm_version() + self.workaround_tag()
