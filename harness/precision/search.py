@@ -374,6 +374,7 @@ class SearchResult:
 
 def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_rounds: int = 8, emulate: bool = True,
            start: Iterable[str] = (), log: Callable[[str], None] = lambda s: None) -> SearchResult:
+    # ~120 lines, not split: one greedy loop whose rounds share the measured errors and the kept set
     """The smallest set of modules to keep in float32 so that every target is shippable: the audit
     ranks the candidates (module alone in float16, local error), a greedy pass adds the candidate of
     most measured benefit to the *cheapest* case not yet shippable (top_k single modules tried per
