@@ -484,7 +484,7 @@ DEFECTS = [
     Defect("coremltools-lstm", "coremltools: aten.lstm.input (torch.export) has no MIL lowering", "coremltools",
            "coremltools", "convert", "Unsupported fx node lstm",
            lambda: (BiLSTM(), (torch.randn(1, 6, 8, generator=_gen()),)), check_coreml,
-           ("kokoro/modules.py", "nn.LSTM("), "aten.lstm.input", "coreml-*: unrolled_lstm (patch)", _CT,
+           ("kokoro/modules.py", "nn.LSTM("), "aten.lstm.input", "coreml-*: lstm_converter", _CT,
            (("https://github.com/pytorch/executorch/issues/4090", "related, closed: 'coreml backend doesn't work "
              "with lstm' (ExecuTorch's Core ML delegate)"),)),
     Defect("tvm-clamp-int", "TVM Relax: int64 clamp with one bound fails to build ('Cannot convert infinity to "

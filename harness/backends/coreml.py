@@ -14,9 +14,9 @@ from pathlib import Path
 from . import Backend, Workaround
 from .tvm import COMMON_PATCHES
 
-# harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted;
-# aten.lstm has no MIL lowering in the EXIR frontend
-CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const", "unrolled_lstm")
+# harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted
+# (aten.lstm: `lstm_converter` below, inside the conversion, not a patch)
+CORE_ML_PATCHES = ("stft_phase_where", "rsqrt_float_const")
 
 _CT = "coremltools 9.0"
 # the runtime defects the Core ML backends work around (docs/workarounds.md, docs/upstream/)
@@ -33,18 +33,19 @@ CORE_ML_WORKAROUNDS = {w.name: w for w in (
     Workaround("rsqrt_float_const", "rsqrt of an int constant is not promoted to float ('expects tensor or "
                "scalar of dtype from type domain [fp16, fp32] but got tensor[int32]')", _CT,
                "docs/upstream/coremltools-rsqrt-int/", patch="rsqrt_float_const"),
-    Workaround("unrolled_lstm", "aten.lstm.input has no MIL lowering ('Unsupported fx node lstm, kind "
-               "lstm.input')", _CT, "docs/upstream/coremltools-lstm/ (related: pytorch/executorch#4090)",
-               patch="unrolled_lstm"),
+    Workaround("lstm_converter", "aten.lstm.input has no MIL lowering in the EXIR frontend ('Unsupported fx "
+               "node lstm, kind lstm.input'), while its TorchScript frontend's `lstm` converter takes the same "
+               "arguments", _CT, "docs/upstream/coremltools-lstm/ (related: pytorch/executorch#4090)"),
 )}
 
 
 def _inference_ir(program, disabled=()):
     """coremltools takes the ATen inference IR (run_decompositions with an empty table), with
-    `__and__` renamed to `bitwise_and`, identity `alias` views dropped, and torch's own decompositions of the ops its frontend cannot
+    `__and__` renamed to `bitwise_and`, identity `alias` views dropped, `aten.lstm.input` given
+    coremltools' own LSTM converter (`_lstm_converter`), and torch's own decompositions of the ops its frontend cannot
     lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap a graph rewrite can close
     is not the user's failure. `disabled`: the named workarounds left out (alias_drop, and_rename,
-    decompose_unlowered), so that the defect they hide shows."""
+    lstm_converter, decompose_unlowered), so that the defect they hide shows."""
     import torch
     from torch._decomp import decomposition_table
 
@@ -64,6 +65,7 @@ def _inference_ir(program, disabled=()):
         ir.graph.erase_node(node)
     if renamed or dropped:
         ir.graph_module.recompile()
+    _lstm_converter(enabled="lstm_converter" not in disabled)
     gaps = mil_gaps(ir)["ops_without_mil_lowering"]
     if "decompose_unlowered" in disabled:
         return ir
@@ -73,6 +75,40 @@ def _inference_ir(program, disabled=()):
     decomposed = ir.run_decompositions(table)
     # kept only if it closes gaps without opening others (special_bessel_j0 -> prims::bessel_j0 does not)
     return decomposed if set(mil_gaps(decomposed)["ops_without_mil_lowering"]) < set(gaps) else ir
+
+
+class _LstmOutputs:
+    """An EXIR `lstm.input` node seen as TorchScript's `aten::lstm`, whose three outputs are named:
+    the EXIR node has one output, the tuple its `getitem` nodes unpack."""
+
+    def __init__(self, node):
+        self.node, self.outputs = node, [f"{node.name}__lstm{i}" for i in range(3)]
+
+    def __getattr__(self, name):
+        return getattr(self.node, name)
+
+
+def _convert_lstm_input(context, node):
+    from coremltools.converters.mil.frontend.torch import ops
+
+    seen = _LstmOutputs(node)
+    ops.lstm(context, seen)
+    context.add(tuple(context[name] for name in seen.outputs), torch_name=node.name)
+
+
+def _lstm_converter(enabled: bool = True) -> None:
+    """coremltools' EXIR frontend does not know the kind `lstm.input`, but its TorchScript frontend's
+    `lstm` converter takes exactly its arguments (input, [h0, c0], params, has_biases, num_layers,
+    dropout, train, bidirectional, batch_first) and emits one MIL `lstm` op per LSTM: registered under
+    that kind, Kokoro's LSTMs convert as Core ML ports ship them, in a time flat in T (the cell
+    written out per step took about 6 min at 1,536 steps). `enabled=False` takes our registration out
+    again, so that `--no-workaround lstm_converter` shows the defect in this process too."""
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY as registry
+
+    if enabled and "lstm.input" not in registry:
+        registry.set_func_by_name(_convert_lstm_input, "lstm.input")
+    elif not enabled and registry.name_to_func_mapping.get("lstm.input") is _convert_lstm_input:
+        del registry.name_to_func_mapping["lstm.input"]
 
 
 def _kind(target) -> str:
@@ -186,7 +222,8 @@ class _CoreMLBackend(Backend):
         import inspect
 
         helpers = "from collections import Counter\n\n\n" + "".join(
-            inspect.getsource(f) + "\n\n" for f in (_kind, _ops, mil_gaps, _inference_ir))
+            inspect.getsource(f) + "\n\n" for f in (_LstmOutputs, _convert_lstm_input, _lstm_converter, _kind, _ops,
+                                                      mil_gaps, _inference_ir))
         helpers += f"DISABLED = {sorted(self.disabled_workarounds())!r}  # workarounds left out\n\n\n"
         return helpers + REPRO_RUNNER.replace("@PRECISION@", self.precision).replace("@UNITS@", self.compute_units)
 

@@ -6,10 +6,9 @@
 Conversion runs on any OS; prediction needs Core ML, i.e. macOS, so elsewhere the chain's item is
 SKIPPED with that reason (harness/backends/prebuilt.py), never passed.
 
-Shapes are the case's exact lengths: coremltools has no lowering for aten.lstm, so the LSTMs are
-written out per time step (the backends' `unrolled_lstm` patch; torch 2.13's export decomposes
-aten.lstm the same way by itself), which fixes the token count. A Core ML port file runs the case
-it was converted for.
+Shapes are the case's exact lengths: torch 2.13's export specializes an LSTM's length, which fixes
+the token count (each LSTM converts to one MIL `lstm` op per direction, the backends'
+`lstm_converter`). A Core ML port file runs the case it was converted for.
 
 A stage coremltools cannot convert is a finding, not hidden: its error is printed and kept
 (`StageResult.error`), no file is written for it, and no port file either.
@@ -28,8 +27,8 @@ import torch.nn as nn
 from . import splits
 
 # the ONNX export's patches, plus the coreml-* backends' frontend fixes that apply to these stages
-# (ExactSTFT needs no `stft_phase_where`): rsqrt of an int constant, aten.lstm written out
-COREML_PATCHES = (*splits.EXPORT_PATCHES, "rsqrt_float_const", "unrolled_lstm")
+# (ExactSTFT needs no `stft_phase_where`): rsqrt of an int constant
+COREML_PATCHES = (*splits.EXPORT_PATCHES, "rsqrt_float_const")
 PORT_FILE = "port-coreml.yaml"
 PRECISIONS = ("float32", "float16")
 # The public 7-stage Core ML port (laishere/kokoro-coreml, convert.py; shipped by FluidAudio as

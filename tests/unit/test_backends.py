@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,39 @@ def test_coreml_drops_identity_alias_views(tmp_path):
     assert mil_gaps(ir)["ops_without_mil_lowering"] == {}
     assert torch.equal(ir.module()(x), WholeTableSlice()(x))
     ct.convert(ir, convert_to="mlprogram", skip_model_load=True)
+
+
+def test_coreml_converts_lstms_to_its_own_lstm_op_in_a_graph_flat_in_T():
+    """coremltools 9: 'Unsupported fx node lstm, kind lstm.input'. With `lstm_converter` a plain
+    bidirectional nn.LSTM (dynamic items) is one MIL `lstm` op and a length-aware one (static items:
+    one aten.lstm per direction) two, the same ops at every length; without it torch's decomposition
+    writes the cell out per step (`decompose_unlowered`), and without both, the defect."""
+    ct = pytest.importorskip("coremltools")
+    from harness.backends.coreml import _inference_ir, _lstm_converter
+    from harness.patches.length_aware_lstm import LengthAwareLSTM
+
+    def mil_ops(T, length_aware, disabled=()):
+        torch.manual_seed(0)
+        lstm = nn.LSTM(16, 8, 1, batch_first=True, bidirectional=True)
+        module, args = (lstm, (torch.randn(1, T, 16),))
+        if length_aware:
+            module, args = LengthAwareLSTM(lstm, impl="aten"), (*args, torch.tensor([T - 2]))
+        with torch.no_grad():
+            program = torch.export.export(module.eval(), args, strict=False)
+        model = ct.convert(_inference_ir(program, disabled), convert_to="mlprogram", skip_model_load=True)
+        return Counter(op.type for f in model.get_spec().mlProgram.functions.values()
+                       for block in f.block_specializations.values() for op in block.operations if op.type != "const")
+
+    try:
+        for length_aware, n_lstm in ((False, 1), (True, 2)):
+            short = mil_ops(8, length_aware)
+            assert short["lstm"] == n_lstm and mil_ops(96, length_aware) == short
+        written_out = mil_ops(8, True, {"lstm_converter"})
+        assert "lstm" not in written_out and sum(mil_ops(16, True, {"lstm_converter"}).values()) > sum(written_out.values())
+        with pytest.raises(NotImplementedError, match="Unsupported fx node lstm"):
+            mil_ops(8, True, {"lstm_converter", "decompose_unlowered"})
+    finally:
+        _lstm_converter(True)
 
 
 class RsqrtInt(nn.Module):

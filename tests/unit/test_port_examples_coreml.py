@@ -43,7 +43,8 @@ def test_no_workaround_takes_the_coreml_backends_fixes():
     """A graph fix of `_inference_ir` is left out there; a patch-workaround drops its patch."""
     assert coreml_splits.workarounds_off(set()) == (set(), coreml_splits.COREML_PATCHES)
     assert coreml_splits.workarounds_off({"and_rename"}) == ({"and_rename"}, coreml_splits.COREML_PATCHES)
-    assert coreml_splits.workarounds_off({"unrolled_lstm"}) == (set(), coreml_splits.COREML_PATCHES[:-1])
+    assert coreml_splits.workarounds_off({"rsqrt_float_const"}) == (set(), coreml_splits.COREML_PATCHES[:-1])
+    assert coreml_splits.workarounds_off({"lstm_converter"}) == ({"lstm_converter"}, coreml_splits.COREML_PATCHES)
     assert coreml_splits.workarounds_off({"all"})[1] == splits.EXPORT_PATCHES
     with pytest.raises(ValueError, match=r"--no-workaround bogus: not a Core ML workaround; known: alias_drop"):
         coreml_splits.workarounds_off({"bogus"})

@@ -146,15 +146,16 @@ def test_no_workaround_drops_patches_and_changes_the_artifact_key(no_workaround)
     from harness.runner import Session, workarounds_of
 
     session = Session(weights="random:0")
-    coreml, tvm = get_backend("coreml-fp32"), get_backend("tvm")
-    assert "unrolled_lstm" in session.patches_for(coreml)
-    keys = (coreml.artifact_key("p"), tvm.artifact_key("p"))
-    no_workaround("unrolled_lstm", "clamp_int_bound")
-    assert "unrolled_lstm" not in session.patches_for(coreml)
+    coreml, tvm, tvm_onnx = get_backend("coreml-fp32"), get_backend("tvm"), get_backend("tvm-onnx")
+    assert "unrolled_lstm" in session.patches_for(tvm_onnx) and "unrolled_lstm" not in session.patches_for(coreml)
+    keys = (tvm_onnx.artifact_key("p"), tvm.artifact_key("p"), coreml.artifact_key("p"))
+    no_workaround("unrolled_lstm", "clamp_int_bound", "lstm_converter")
+    assert "unrolled_lstm" not in session.patches_for(tvm_onnx)
     assert "unrolled_lstm" not in session.patches_for(get_backend("xnnpack"))  # a name means it everywhere
     assert "unrolled_lstm" in session.patches_for(get_backend("portable"))  # not a workaround there
     assert "no-workaround=clamp_int_bound" in tvm.version() and tvm.artifact_key("p") != keys[1]
-    assert coreml.artifact_key("p") == keys[0]  # a patch-workaround changes the program, not the compile
+    assert tvm_onnx.artifact_key("p") == keys[0]  # a patch-workaround changes the program, not the compile
+    assert coreml.artifact_key("p") != keys[2]  # a fix inside the conversion changes the compile
     assert workarounds_of(tvm) == {"applied": ["instance_norm_float64_stats", "stft_phase_where"],
                                    "disabled": ["clamp_int_bound"]}
     no_workaround("all")
