@@ -19,7 +19,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="tolerance profile YAML")
     p.add_argument("--with-patch", action="append", default=[], help="add a patch to every backend's own")
     p.add_argument("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
-                   help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s), as pytest's")
+                   help="child-process time limit of export, compile or run (default 900 s each), as pytest's")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    help="skip a compile whose backend's cost law estimates more memory (default: 80%% of this machine's)")
     p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",

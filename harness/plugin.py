@@ -67,7 +67,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--bisect-depth", type=int, default=2,
                 help="module levels below the step's module whose cuts are searched before the ops (0: ops only)")
     g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
-                help="child-process time limit of export, compile or run (defaults 1200, 2400, 900 s); "
+                help="child-process time limit of export, compile or run (default 900 s each); "
                      "past it the item is TIMEOUT")
     g.addoption("--memory-limit", type=float, default=None, metavar="GB",
                 help="skip a compile whose backend's cost law estimates more memory (default: 80%% of this "

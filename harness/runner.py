@@ -41,8 +41,11 @@ MEMORY_SHARE = 0.8
 
 @dataclass
 class Limits:
-    export_s: float = 1200
-    compile_s: float = 2400
+    """Each phase of an item, by default, within 15 minutes (issue 19's limit for one item on these
+    2-core machines); a cost law skips up front what it estimates past a limit."""
+
+    export_s: float = 900
+    compile_s: float = 900
     run_s: float = 900
     compile_gb: float | None = None  # None: MEMORY_SHARE of this machine's memory (--memory-limit)
 

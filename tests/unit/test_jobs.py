@@ -119,7 +119,7 @@ def test_time_limits_parse_and_name_the_bad_one():
     from harness.runner import Limits
 
     limits = Limits.parse(["compile=600", "run=30.5"])
-    assert (limits.export_s, limits.compile_s, limits.run_s) == (1200, 600, 30.5)
+    assert (limits.export_s, limits.compile_s, limits.run_s) == (900, 600, 30.5)  # export: the default
     with pytest.raises(ValueError, match="lower"):
         Limits.parse(["lower=3"])
     with pytest.raises(ValueError, match="'ten'"):
