@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from . import Backend
+from .cost import AUDIO_SECONDS, CostLaw
 from .tvm import COMMON_PATCHES
 
 FP16_MAX = 65504.0
@@ -84,6 +85,11 @@ class Fp16Backend(Backend):
     artifact_name = "program.pt2"
     description = "the exported program in float16 on CPU, with activation ranges vs 65,504"
     precision = "float16"  # judged against float16 eager's own error (harness.precision)
+    # PyTorch's float16 CPU kernels run Kokoro's vocoder at about 63x real time, linear in the audio:
+    # `benchmarks/run_cost.py --backend fp16` (2026-11-25, decoder buckets of 48, 96, 144 frames,
+    # random weights, beside one other shard). en_long's 27 s would take ~28 min (with the decoder
+    # keep-list it took 1,091 s beside two jobs: docs/precision.md), ja's 9.6 s static bucket ~10 min.
+    run_time = CostLaw(AUDIO_SECONDS, "s", ((1.2, 75.7), (2.4, 140.0), (3.6, 229.1)))
 
     def version(self) -> str:
         """With $KOKORO_PARITY_KEEP_FP32 (a keep-list of `kokoro-parity precision`), the modules it

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import Backend, Workaround
-from .cost import EXPORTED_NODES, CostLaw
+from .cost import AUDIO_SECONDS, EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
 
 ONNX_NAME = "model.onnx"
@@ -178,6 +178,10 @@ class TvmOnnxBackend(Backend):
     # tvm-onnx --T 64 --T 128` (2026-11-24, idle): 42.6 s at 1,897 nodes, 119.3 s at 3,753; ja's
     # duration_encoder (static) took 465 s where this predicts about 400.
     compile_time = CostLaw(EXPORTED_NODES, "s", ((1897, 42.6), (3753, 119.3)))
+    # The vocoder through Relax's ONNX frontend (untuned llvm) runs at about 28x real time on short
+    # buckets: `benchmarks/run_cost.py --backend tvm-onnx` (2026-11-25, decoder buckets of 48, 96,
+    # 144 frames, random weights, beside one other shard).
+    run_time = CostLaw(AUDIO_SECONDS, "s", ((1.2, 33.1), (2.4, 66.4), (3.6, 98.8)))
     requires = ("tvm", "onnx", "onnxscript")
     # TVM 0.27's Relax ONNX frontend has no LSTM converter ("OpNotImplemented: ... LSTM"): the LSTM
     # steps get the cell written out (unrolled_lstm), the InstanceNorms their statistics in float64;
