@@ -60,7 +60,7 @@ INSTANCE_NORM_FLOAT64_STATS = Workaround(
 CONTROL_FLOW_PARTITIONER = Workaround(
     "control_flow_partitioner", "XnnpackPartitioner tags the top-level graph only: the body of a scan "
     "(scan_lstm's LSTM cell) stays on portable kernels, op by op at every step", "executorch 1.5.1",
-    "no bundle yet (docs/performance.md, What fails where)", kind="performance")
+    "docs/upstream/executorch-xnnpack-scan-body/", kind="performance")
 # What every ExecuTorch backend's program needs. unrolled_lstm: ExecuTorch's decomposition of
 # aten.lstm cuts the XNNPACK partition at every time step (T + 3 delegate subgraphs); the cell
 # written with ops XNNPACK takes gives 3 per LSTM. The en_short duration encoder: 17 subgraphs

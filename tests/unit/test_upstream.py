@@ -24,7 +24,8 @@ from harness.backends import NO_WORKAROUND_ENV, get_backend, set_disabled_workar
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "upstream"
-FAST = ("tvm-clamp-int", "torch-fp16-sinegen-phase")  # under ~20 s each; the others are slow-marked
+# under ~20 s each; the others are slow-marked
+FAST = ("tvm-clamp-int", "torch-fp16-sinegen-phase", "tvm-lstm-written-out")
 
 
 @pytest.fixture
