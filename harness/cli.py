@@ -247,6 +247,8 @@ def cmd_merge(args) -> int:
     result = merge_shards(args.dirs, args.out)
     for shard in result.shards:
         print(f"{shard.path}: {len(shard.records)} records, {len(shard.files)} files")
+    for path, items in result.dropped.items():
+        print(f"{path}: left out the leftovers of {', '.join(items)} (killed there; another shard has the record)")
     print(f"merged {result.n_records} records and {result.n_files} files into {result.out}")
     return 0
 

@@ -4,7 +4,9 @@ probes), so that the history entry and the dashboard made from the merged dir eq
 single run.
 
 A shard's tree is copied as it is, except what is made from the records (`history`, `dashboard`,
-`junit`: rebuilt from the merged dir) and `records`/`counts` (checked and rewritten). Records name
+`junit`: rebuilt from the merged dir) and `records`/`counts` (checked and rewritten), and the
+leftovers of an item a shard was killed in (`runs/<item>`, `audio/<item>` without its record) when
+another shard, the resumed run, has that item's record: those are dropped and reported. Records name
 files by paths relative to their report dir (audio) or as they were when written (a repro bundle's
 `reports/shard-1/repro/<item>` on the CI runner): every string of a record that names a file of its
 shard by a path's tail is rewritten relative to the merged dir, so links resolve after the move.
@@ -23,6 +25,7 @@ from .plumbing.files import atomic_write, atomic_write_json
 
 DERIVED = ("history", "dashboard", "junit")  # made from the records: never merged, rebuilt from the result
 OWN = ("records", "counts")  # merged by meaning, not copied
+PER_ITEM = ("runs", "audio")  # top directories whose children are named by item id
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Shard:
 class MergeResult:
     out: Path
     shards: list[Shard]
+    dropped: dict[str, list[str]] = field(default_factory=dict)  # shard path -> items' leftovers not copied
 
     @property
     def n_records(self) -> int:
@@ -128,6 +132,7 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path) -> MergeResult:
             if iid in owner:
                 raise ValueError(f"item {iid} is in two shards ({owner[iid].path} and {shard.path})")
             owner[iid] = shard
+    dropped = _drop_superseded_leftovers(shards, set(owner))
     files: dict[str, Shard] = {}
     for shard in shards:
         for rel in shard.files:
@@ -150,8 +155,28 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path) -> MergeResult:
         for fname, rec in shard.records.items():
             atomic_write_json(out / "records" / fname, relocate(rec, known))
         atomic_write_json(out / "counts" / f"{name}.json", shard.counts)
-    atomic_write_json(out / MANIFEST, {"shards": [s.summary() for s in shards]})
-    return MergeResult(out, shards)
+    atomic_write_json(out / MANIFEST, {"shards": [s.summary() for s in shards], "dropped": dropped})
+    return MergeResult(out, shards, dropped)
+
+
+def _drop_superseded_leftovers(shards: list[Shard], finished: set[str]) -> dict[str, list[str]]:
+    """Take out of each shard's files the per-item directories of items it holds no record of but
+    another shard does: a shard killed mid-item leaves them, and its resumed run re-ran that item.
+    Leftovers of an item no shard finished are kept (the only trace of a crash or a kill)."""
+    dropped: dict[str, list[str]] = {}
+    for shard in shards:
+        own = {item_id(rec) for rec in shard.records.values()}
+
+        def superseded(rel: str) -> bool:  # a file or directory in runs/<item> or audio/<item>
+            parts = PurePath(rel).parts
+            return len(parts) >= 2 and parts[0] in PER_ITEM and parts[1] not in own and parts[1] in finished
+
+        gone = [rel for rel in shard.files if superseded(rel)]
+        if gone:
+            shard.files = [rel for rel in shard.files if not superseded(rel)]
+            shard.empty_dirs = [rel for rel in shard.empty_dirs if not superseded(rel)]
+            dropped[str(shard.path)] = sorted({PurePath(rel).parts[1] for rel in gone})
+    return dropped
 
 
 def _count_names(shards: list[Shard]) -> list[str]:

@@ -106,6 +106,29 @@ def test_merge_refuses_what_would_lose_or_mix_results(tmp_path):
         merge_shards([tmp_path / "nothing"], tmp_path / "out5")
 
 
+def test_merge_leaves_out_a_killed_items_leftovers_that_a_resumed_shard_finished(tmp_path):
+    """A shard killed mid-item leaves that item's run dir and no record; the resumed shard re-ran
+    it. The leftovers are not a conflict: the finished item's files win, the rest are reported. A
+    killed item that no shard finished keeps its leftovers (the only trace of the kill)."""
+    killed = make_shard(tmp_path, "first", "bert")
+    (killed / "runs" / "tiny-generator-eager-dynamic").mkdir(parents=True)
+    (killed / "runs" / "tiny-generator-eager-dynamic" / "job.json").write_text('{"attempt": 1}')
+    (killed / "runs" / "tiny-decoder-eager-dynamic").mkdir(parents=True)
+    (killed / "runs" / "tiny-decoder-eager-dynamic" / "job.json").write_text('{"attempt": 1}')
+    resumed = make_shard(tmp_path, "resumed", "generator")
+    (resumed / "runs" / "tiny-generator-eager-dynamic" / "job.json").write_text('{"attempt": 2}')
+    out = tmp_path / "merged"
+    result = merge_shards([killed, resumed], out)
+    assert result.dropped == {str(killed): ["tiny-generator-eager-dynamic"]}
+    assert (out / "runs" / "tiny-generator-eager-dynamic" / "job.json").read_text() == '{"attempt": 2}'
+    assert (out / "runs" / "tiny-generator-eager-dynamic" / "log.txt").is_file()
+    assert (out / "runs" / "tiny-decoder-eager-dynamic" / "job.json").read_text() == '{"attempt": 1}'
+    assert json.loads((out / "merge.json").read_text())["dropped"] == result.dropped
+    # the resumed shard's own record is the one merged: two records, no conflict
+    assert sorted(p.name for p in (out / "records").glob("*.json")) == [
+        "tiny-bert-eager-dynamic.json", "tiny-generator-eager-dynamic.json"]
+
+
 def test_relocate_rewrites_only_paths_of_the_shards_files():
     files = {"repro/x", "repro/x/repro.py", "audio/x/backend.wav"}
     rec = {"a": "/ci/reports/shard-3/repro/x", "b": ["reports/audio/x/backend.wav"], "c": "repro/y",
