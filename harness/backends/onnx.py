@@ -175,9 +175,13 @@ class TvmOnnxBackend(Backend):
     name = "tvm-onnx"
     # Relax's ONNX frontend has no LSTM (nor Scan): the cell is written out per time step, and the
     # compile grows faster than the graph. `benchmarks/lstm_scaling.py --impl unrolled --backend
-    # tvm-onnx --T 64 --T 128` (2026-11-24, idle): 42.6 s at 1,897 nodes, 119.3 s at 3,753; ja's
-    # duration_encoder (static) took 465 s where this predicts about 400.
-    compile_time = CostLaw(EXPORTED_NODES, "s", ((1897, 42.6), (3753, 119.3)))
+    # tvm-onnx --T 64 --T 128` (2026-11-24, idle): 42.6 s at 1,897 nodes, 119.3 s at 3,753; and the
+    # f0n items of the matrix (2026-11-26, shard f0n-refresh2 beside one other shard, as the matrix
+    # runs): en_short dynamic 215.8 s at 4,613, ja dynamic 321.2 s at 5,918, en_short static 552.4 s
+    # at 7,832. The two bare points alone (power 1.51) put ja's static f0n (11,544 nodes) at 650 s;
+    # it was killed at 900 s. Fit to all five: power 1.82, 1,082 s there.
+    compile_time = CostLaw(EXPORTED_NODES, "s", ((1897, 42.6), (3753, 119.3), (4613, 215.8), (5918, 321.2),
+                                                 (7832, 552.4)))
     # The vocoder through Relax's ONNX frontend (untuned llvm) runs at about 28x real time on short
     # buckets: `benchmarks/run_cost.py --backend tvm-onnx` (2026-11-25, decoder buckets of 48, 96,
     # 144 frames, random weights, beside one other shard) and 33x on en_long's 27 s (its decoder
