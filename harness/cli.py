@@ -244,9 +244,11 @@ def cmd_merge(args) -> int:
     """Join several shards' report dirs (records, counts and every file their items wrote) into one."""
     from .merge import merge_shards
 
-    result = merge_shards(args.dirs, args.out)
+    result = merge_shards(args.dirs, args.out, later_wins=args.later_wins)
     for shard in result.shards:
         print(f"{shard.path}: {len(shard.records)} records, {len(shard.files)} files")
+    for path, items in result.superseded.items():
+        print(f"{path}: left out {len(items)} items a later shard re-ran: {', '.join(items)}")
     for path, items in result.dropped.items():
         print(f"{path}: left out the leftovers of {', '.join(items)} (killed there; another shard has the record)")
     print(f"merged {result.n_records} records and {result.n_files} files into {result.out}")
@@ -455,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p = sub.add_parser("merge", help="join the report dirs of several shards (--shard K/N) into one")
     p.add_argument("dirs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--later-wins", action="store_true",
+                   help="an item in several shards is taken from the last one given (a re-run), not refused")
     p.set_defaults(fn=cmd_merge)
     p = sub.add_parser("profile", help="ExecuTorch's per-operator run time (ETDump, devtools Inspector) of one item's "
                                        ".pte, split into delegated and not; writes <report-dir>/profile/<item>/")

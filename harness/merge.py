@@ -5,8 +5,10 @@ single run.
 
 A shard's tree is copied as it is, except what is made from the records (`history`, `dashboard`,
 `junit`: rebuilt from the merged dir) and `records`/`counts` (checked and rewritten), and the
-leftovers of an item a shard was killed in (`runs/<item>`, `audio/<item>` without its record) when
-another shard, the resumed run, has that item's record: those are dropped and reported. Records name
+leftovers of an item a shard was killed in (`runs/<item>`, `audio/<item>`, `repro/<item>` without its
+record) when another shard, the resumed run, has that item's record: those are dropped and reported.
+With `later_wins` an item in several shards (a re-run of a failed or stale item) comes from the last
+shard given, and the earlier shards' record and per-item files of it are left out. Records name
 files by paths relative to their report dir (audio) or as they were when written (a repro bundle's
 `reports/shard-1/repro/<item>` on the CI runner): every string of a record that names a file of its
 shard by a path's tail is rewritten relative to the merged dir, so links resolve after the move.
@@ -25,7 +27,7 @@ from .plumbing.files import atomic_write, atomic_write_json
 
 DERIVED = ("history", "dashboard", "junit")  # made from the records: never merged, rebuilt from the result
 OWN = ("records", "counts")  # merged by meaning, not copied
-PER_ITEM = ("runs", "audio")  # top directories whose children are named by item id
+PER_ITEM = ("runs", "audio", "repro")  # top directories whose children are named by item id
 
 
 @dataclass
@@ -46,6 +48,7 @@ class MergeResult:
     out: Path
     shards: list[Shard]
     dropped: dict[str, list[str]] = field(default_factory=dict)  # shard path -> items' leftovers not copied
+    superseded: dict[str, list[str]] = field(default_factory=dict)  # shard path -> items a later shard re-ran
 
     @property
     def n_records(self) -> int:
@@ -119,20 +122,31 @@ def _copy(src: Path, dst: Path) -> None:
     shutil.copystat(src, dst)
 
 
-def merge_shards(shard_dirs: list[str | Path], out: str | Path) -> MergeResult:
-    """Join the shards' report dirs into `out`. Raises ValueError when an item is in two shards, a
-    file is in two shards with different contents, or `out` already holds records or counts of
-    another run (they would be summed into this one); nothing is written then."""
+def merge_shards(shard_dirs: list[str | Path], out: str | Path, later_wins: bool = False) -> MergeResult:
+    """Join the shards' report dirs into `out`. Raises ValueError when an item is in two shards
+    (unless `later_wins`: then the item is taken from the last shard given, a re-run, and the
+    earlier shards' record and per-item files of it are left out and reported), a file is in two
+    shards with different contents, or `out` already holds records or counts of another run (they
+    would be summed into this one); nothing is written then. Every shard's work counts are summed,
+    a superseded run's included: that work was done."""
     out = Path(out)
     shards = [read_shard(d) for d in shard_dirs]
     owner: dict[str, Shard] = {}  # item id -> the shard it comes from
+    superseded: dict[str, list[str]] = {}
     for shard in shards:
-        for rec in shard.records.values():
+        for rec in list(shard.records.values()):
             iid = item_id(rec)
             if iid in owner:
-                raise ValueError(f"item {iid} is in two shards ({owner[iid].path} and {shard.path})")
+                if not later_wins:
+                    raise ValueError(f"item {iid} is in two shards ({owner[iid].path} and {shard.path}); "
+                                     f"--later-wins takes it from the later one")
+                earlier = owner[iid]
+                del earlier.records[next(n for n, r in earlier.records.items() if item_id(r) == iid)]
+                superseded.setdefault(str(earlier.path), []).append(iid)
             owner[iid] = shard
     dropped = _drop_superseded_leftovers(shards, set(owner))
+    dropped = {path: kept for path, items in dropped.items()
+               if (kept := [i for i in items if i not in superseded.get(path, [])])}
     files: dict[str, Shard] = {}
     for shard in shards:
         for rel in shard.files:
@@ -155,8 +169,9 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path) -> MergeResult:
         for fname, rec in shard.records.items():
             atomic_write_json(out / "records" / fname, relocate(rec, known))
         atomic_write_json(out / "counts" / f"{name}.json", shard.counts)
-    atomic_write_json(out / MANIFEST, {"shards": [s.summary() for s in shards], "dropped": dropped})
-    return MergeResult(out, shards, dropped)
+    atomic_write_json(out / MANIFEST, {"shards": [s.summary() for s in shards], "dropped": dropped,
+                                       "superseded": superseded})
+    return MergeResult(out, shards, dropped, superseded)
 
 
 def _drop_superseded_leftovers(shards: list[Shard], finished: set[str]) -> dict[str, list[str]]:
@@ -167,7 +182,7 @@ def _drop_superseded_leftovers(shards: list[Shard], finished: set[str]) -> dict[
     for shard in shards:
         own = {item_id(rec) for rec in shard.records.values()}
 
-        def superseded(rel: str) -> bool:  # a file or directory in runs/<item> or audio/<item>
+        def superseded(rel: str) -> bool:  # a file or directory in runs/<item>, audio/<item>, repro/<item>
             parts = PurePath(rel).parts
             return len(parts) >= 2 and parts[0] in PER_ITEM and parts[1] not in own and parts[1] in finished
 

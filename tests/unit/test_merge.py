@@ -129,6 +129,35 @@ def test_merge_leaves_out_a_killed_items_leftovers_that_a_resumed_shard_finished
         "tiny-bert-eager-dynamic.json", "tiny-generator-eager-dynamic.json"]
 
 
+def test_merge_later_wins_takes_a_rerun_item_from_the_later_shard(tmp_path):
+    """A nightly re-runs a failed or stale item into a new shard: with `later_wins` the last shard
+    given supplies that item (record, run dir, WAVs) and the earlier one's copy, its repro bundle
+    included, is left out and reported, never mixed in; the earlier shard's work still counts."""
+    first = make_shard(tmp_path, "first", "decoder", bundle=True, counts={"exports": 1, "compiles": 1, "runs": 1})
+    (first / "runs" / "tiny-decoder-eager-dynamic" / "log.txt").write_text("the first run\n")
+    make_shard(tmp_path / "f", "first", "bert")  # a second item of the first shard, kept
+    for sub in ("records", "audio", "runs"):
+        for p in (tmp_path / "f" / "first" / sub).rglob("*"):
+            if p.is_file():
+                (first / p.relative_to(tmp_path / "f" / "first")).parent.mkdir(parents=True, exist_ok=True)
+                (first / p.relative_to(tmp_path / "f" / "first")).write_bytes(p.read_bytes())
+    rerun = make_shard(tmp_path, "rerun", "decoder", counts={"exports": 0, "compiles": 0, "runs": 1})
+    with pytest.raises(ValueError, match="--later-wins"):
+        merge_shards([first, rerun], tmp_path / "refused")
+    out = tmp_path / "merged"
+    result = merge_shards([first, rerun], out, later_wins=True)
+    assert result.superseded == {str(first): ["tiny-decoder-eager-dynamic"]} and result.dropped == {}
+    rec = json.loads((out / "records" / "tiny-decoder-eager-dynamic.json").read_text())
+    assert rec["verdict"] == "pass" and not rec["bisect"]  # the re-run's record, not the first's FAIL
+    assert (out / "runs" / "tiny-decoder-eager-dynamic" / "log.txt").read_text() == "log of tiny-decoder-eager-dynamic\n"
+    assert not (out / "repro" / "tiny-decoder-eager-dynamic").exists()
+    assert (out / "records" / "tiny-bert-eager-dynamic.json").is_file()
+    assert json.loads((out / "merge.json").read_text())["superseded"] == result.superseded
+    entry = record_run(out / "records", out / "history").run
+    assert entry.counts == {"exports": 1, "compiles": 1, "runs": 2}
+    assert len(entry.records) == 2
+
+
 def test_relocate_rewrites_only_paths_of_the_shards_files():
     files = {"repro/x", "repro/x/repro.py", "audio/x/backend.wav"}
     rec = {"a": "/ci/reports/shard-3/repro/x", "b": ["reports/audio/x/backend.wav"], "c": "repro/y",
