@@ -134,7 +134,7 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path, later_wins: bool
     owner: dict[str, Shard] = {}  # item id -> the shard it comes from
     superseded: dict[str, list[str]] = {}
     for shard in shards:
-        for rec in list(shard.records.values()):
+        for rec in shard.records.values():  # only an earlier shard loses a record here
             iid = item_id(rec)
             if iid in owner:
                 if not later_wins:
