@@ -31,6 +31,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-runs", action="store_true",
                    help="judge the saved outputs of a local run whose artifact and inputs ran before, instead of "
                         "running it again (a warm re-run after a tolerance or reference change)")
+    p.add_argument("--reuse-only", action="store_true",
+                   help="--reuse-runs, and never export, compile or run: an item this cache does not hold warm is "
+                        "SKIPPED 'not warm'")
 
 
 def cmd_run(args) -> int:
@@ -44,7 +47,7 @@ def cmd_run(args) -> int:
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
                       target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit, args.memory_limit),
-                      reuse_runs=args.reuse_runs)
+                      reuse_runs=args.reuse_runs or args.reuse_only, reuse_only=args.reuse_only)
     session.target_for(args.target)  # an unknown target or a malformed targets file: an error before any work
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
@@ -177,7 +180,8 @@ def cmd_nightly(args) -> int:
         return _nightly_done(args, result, history_dir)
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file, reuse_runs=args.reuse_runs)
+                      target=args.target, targets_file=args.targets_file,
+                      reuse_runs=args.reuse_runs or args.reuse_only, reuse_only=args.reuse_only)
     session.target_for(args.target)
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
     modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)

@@ -75,6 +75,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--reuse-runs", action="store_true",
                 help="judge the saved outputs of a local run whose artifact and inputs ran before instead of running "
                      "it again (harness.plumbing.run_cache); without it every run runs")
+    g.addoption("--reuse-only", action="store_true",
+                help="--reuse-runs, and never export, compile or run: an item this cache does not hold warm is "
+                     "SKIPPED 'not warm' (re-judge a matrix against today's references and tolerances)")
     g.addoption("--shard", default=None, metavar="K/N",
                 help="run the K-th of N shards (1-based); items that share a compile stay together. "
                      "Join the shards' report dirs with `kokoro-parity merge`.")
@@ -235,7 +238,8 @@ def _session(config: pytest.Config):
                     extra_patches=tuple(config.getoption("with_patch")),
                     limits=Limits.parse(config.getoption("--time-limit"), config.getoption("--memory-limit")),
                     target=config.getoption("--target"), targets_file=config.getoption("--targets-file"),
-                    reuse_runs=config.getoption("--reuse-runs"),
+                    reuse_runs=config.getoption("--reuse-runs") or config.getoption("--reuse-only"),
+                    reuse_only=config.getoption("--reuse-only"),
                     cases_dirs=tuple(map(str, [*config.getoption("--cases-dir"), *config.getini("kokoro_parity_cases")])))
         from .cases import CaseError
         from .plumbing.targets import TargetError

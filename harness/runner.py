@@ -108,6 +108,7 @@ class Session:
     cases_dirs: tuple[str, ...] = ()  # the user's cases, before the shipped ones (harness.cases.case_dirs)
     targets_file: str | None = None  # default: ./targets.yaml, then the user's config dir
     reuse_runs: bool = False  # judge a local run's saved outputs instead of running it again (run_cache)
+    reuse_only: bool = False  # and never export, compile or run: what this cache does not hold is SKIPPED
     _model: object = None
     _targets: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
@@ -228,10 +229,14 @@ class Session:
                 run_name: str, tag: str = "") -> list | None:
         """Export (cached), compile (cached) and run `step` on `inputs`. Fills the record's timings,
         cache and audit (keys prefixed with `tag`); on failure sets its verdict and returns None."""
+        target = self.target_for(rec.target.get("name") or "local")
+        if self.reuse_runs and target.kind == "local":
+            saved = self.saved_run(backend, step, inputs, patches, rec, run_name, tag)
+            if saved is not None:
+                return saved
         program_dir, program_key = self.program(step, inputs, patches, rec, tag)
         if program_dir is None:
             return None
-        target = self.target_for(rec.target.get("name") or "local")
         on_target = backend.compile_where == "target" and target.kind != "local"
         if on_target:  # compiled where it runs (TVM Metal, ExecuTorch MPS): the target must take it first
             ok, why = target.runnable(backend)
@@ -258,8 +263,11 @@ class Session:
     def program(self, step: str, inputs: dict, patches: list[str], rec: Record,
                 tag: str = "") -> tuple[Path | None, str]:
         """The step's exported program (harness.programs: the one program key, shared with bisection)."""
-        from .programs import ensure_program
+        from .plumbing import cache
+        from .programs import ensure_program, program_key
 
+        if self.reuse_only and cache.lookup("programs", program_key(step, inputs, patches, self.model.digest)[0]) is None:
+            return self.not_warm(rec, "export", step), ""
         entry, key, result = ensure_program(self.weights, self.model.digest, step, inputs, patches,
                                             self.limits.export_s, self.counts)
         rec.cache[f"{tag}program"] = "hit" if result is None else "miss"
@@ -315,6 +323,8 @@ class Session:
         make = lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"),  # noqa: E731
                                 out_dir=str(tmp), **here)
         to_build = target is not None or cache.lookup("artifacts", key) is None
+        if to_build and self.reuse_only:
+            return self.not_warm(rec, "compile", step)
         with progress.phase(f"lowering {tag}".strip("_. "), active=to_build):
             if target is None:
                 entry, result = cached_job("artifacts", key, "harness.backends:compile_job", self.limits.compile_s,
@@ -342,6 +352,70 @@ class Session:
         rec.artifact_bytes = (rec.artifact_bytes or 0) + meta["artifact_bytes"]
         return entry
 
+    def saved_run(self, backend: Backend, step: str, inputs: dict, patches: list[str], rec: Record,
+                  run_name: str, tag: str = "") -> list | None:
+        """With `reuse_runs`: the saved outputs of this step's last local run, found by its keys
+        alone, so that a warm re-run needs neither the program nor the artifact in the cache (nearly
+        all of its bytes: a matrix's fill the 40 GiB default, its runs 100 MB). The artifact's
+        audit and size come with the saved run. None when no run was saved: export, compile, run."""
+        from .plumbing import cache, run_cache
+        from .programs import program_key
+
+        key, _ = program_key(step, inputs, patches, self.model.digest)
+        artifact_path = cache.entry("artifacts", backend.artifact_key(key)) / backend.artifact_name
+        reused = self.reused_run(backend, artifact_path, inputs, rec, run_name, tag)
+        if reused is None:
+            return None
+        outputs, saved = reused
+        entry = cache.lookup("artifacts", artifact_path.parent.name)
+        compiled = saved.get("artifact") or (
+            json.loads((entry / "result.json").read_text())["value"] if entry is not None else None)
+        rec.cache[f"{tag}program"] = "not needed"
+        rec.cache[f"{tag}artifact"] = "not needed" if compiled else "evicted"  # evicted: no audit kept
+        if compiled:
+            rec.audit.update(compiled.get("audit") or {})
+            rec.artifact_bytes = (rec.artifact_bytes or 0) + compiled.get("artifact_bytes", 0)
+        return outputs
+
+    def not_warm(self, rec: Record, work: str, what: str) -> None:
+        """`reuse_only` (`--reuse-only`): the item is SKIPPED where it would have to do `work`."""
+        rec.verdict = Verdict.SKIPPED
+        rec.reason = (f"not warm: {what} would {work} here; --reuse-only judges only the saved runs, programs "
+                      f"and artifacts this cache holds")
+
+    def run_inputs(self, backend: Backend, inputs, run_name: str, write: bool = True) -> tuple[Path, bool]:
+        """(a run's directory of the report, numpy files?), its inputs written there. An ONNX
+        artifact runs in a child without torch (its import cost more than the run)."""
+        run_dir = self.report_dir / "runs" / run_name
+        onnx = getattr(backend, "kind", None) == "onnx" and backend.name.startswith("prebuilt:")
+        if write and onnx:
+            save_arrays(run_dir / "inputs.npz", [canonical(t).detach().cpu().numpy() for t in inputs])
+        elif write:
+            save_tensors(run_dir / "inputs.pt", inputs)
+        return run_dir, onnx
+
+    def reused_run(self, backend: Backend, artifact_path: Path, inputs, rec: Record, run_name: str,
+                   tag: str = "") -> tuple[list, dict] | None:
+        """(outputs, the stored run's figures) of a local run of this artifact on these inputs that
+        was saved (`reuse_runs`), or None. Fills the record's run figures as the run had."""
+        from .plumbing import run_cache
+
+        key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
+                                 backend.name)
+        if not key or not self.reuse_runs:
+            return None
+        run_dir, onnx = self.run_inputs(backend, inputs, run_name, write=False)
+        saved = run_cache.load(key, run_dir / f"outputs{'.npz' if onnx else '.pt'}")
+        if saved is None:
+            return None
+        self.run_inputs(backend, inputs, run_name)  # the report keeps what the run was given, as a run's
+        self.counts["runs_reused"] += 1
+        rec.cache[f"{tag}run"] = "hit"
+        rec.timings.update({f"{tag}{k}": v for k, v in saved["timings"].items()})
+        rec.peak_rss_mb[f"{tag}run"] = saved["peak_rss_mb"]
+        rec.audit.update(saved.get("audit") or {})
+        return self._outputs(run_dir, onnx), saved
+
     def run_artifact(self, backend: Backend, artifact_path: Path, inputs: dict, rec: Record, run_name: str,
                      tag: str = "") -> list | None:
         """Run a compiled artifact on `inputs` in a child process. Its outputs are saved in the cache
@@ -349,25 +423,17 @@ class Session:
         from .plumbing import run_cache
         from .plumbing.targets import TargetUnreachable
 
-        run_dir = self.report_dir / "runs" / run_name
-        # an ONNX artifact runs in a child without torch (its import cost more than the run): numpy files
-        onnx = getattr(backend, "kind", None) == "onnx" and backend.name.startswith("prebuilt:")
-        ext = ".npz" if onnx else ".pt"
-        if onnx:
-            save_arrays(run_dir / "inputs.npz", [canonical(t).detach().cpu().numpy() for t in inputs])
-        else:
-            save_tensors(run_dir / "inputs.pt", inputs)
         target = self.target_for(rec.target.get("name") or "local")
+        if target.kind == "local":
+            reused = self.reused_run(backend, artifact_path, inputs, rec, run_name, tag)
+            if reused is not None:
+                return reused[0]
+        if self.reuse_only:
+            return self.not_warm(rec, "run", run_name)
+        run_dir, onnx = self.run_inputs(backend, inputs, run_name)
+        ext = ".npz" if onnx else ".pt"
         key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
                                  backend.name) if target.kind == "local" else None
-        saved = run_cache.load(key, run_dir / f"outputs{ext}") if key and self.reuse_runs else None
-        if saved is not None:
-            self.counts["runs_reused"] += 1
-            rec.cache[f"{tag}run"] = "hit"
-            rec.timings.update({f"{tag}{k}": v for k, v in saved["timings"].items()})
-            rec.peak_rss_mb[f"{tag}run"] = saved["peak_rss_mb"]
-            rec.audit.update(saved.get("audit") or {})
-            return self._outputs(run_dir, onnx)
         from . import progress
 
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
@@ -397,9 +463,12 @@ class Session:
         rec.audit.update(result.value.get("audit") or {})
         if key:
             rec.cache[f"{tag}run"] = "miss"
+            compiled = artifact_path.parent / "result.json"  # the artifact's audit and size, for saved_run
+            compiled = json.loads(compiled.read_text())["value"] if compiled.exists() else {}
             run_cache.store(key, run_dir / f"outputs{ext}", {
                 "timings": {k: rec.timings[f"{tag}{k}"] for k in ("run_s", "run_job_s")},
-                "peak_rss_mb": result.peak_rss_mb, "audit": result.value.get("audit") or {}})
+                "peak_rss_mb": result.peak_rss_mb, "audit": result.value.get("audit") or {},
+                "artifact": {k: compiled[k] for k in ("audit", "artifact_bytes") if k in compiled}})
         return self._outputs(run_dir, onnx)
 
     @staticmethod

@@ -5,7 +5,9 @@ its outputs (a few MB at most: en_long's 27 s of audio is 2.6 MB) in the cache, 
 compiled artifact's cache key (which already holds the program, the backend, its version and its
 workarounds), the artifact's file name and the inputs' bytes. With `--reuse-runs` a run whose key
 is there is not run: its outputs are judged against today's references and tolerances, and the
-record says `cache.run = "hit"` with the stored run's own timings. Without the flag every run runs,
+record says `cache.run = "hit"` with the stored run's own timings; the runner looks the key up
+before exporting or compiling (`Session.saved_run`), so the program and the artifact (nearly all of a capped
+cache's bytes, and pruned with the rest) are not needed again. Without the flag every run runs,
 as before: a runtime that is not deterministic, or a machine whose speed is the question, needs
 fresh runs. Remote targets never reuse (the run's machine is the point of them).
 """

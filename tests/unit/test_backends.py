@@ -569,10 +569,15 @@ def test_a_local_run_gets_a_process_started_before_its_compile(tiny_session, mon
 @pytest.mark.slow
 def test_reuse_runs_judges_the_saved_outputs_again_without_running(tiny_session):
     """`--reuse-runs` (issue 19's warm matrix): a local run whose artifact and inputs ran before is
-    not run again, but its saved outputs are judged again, so a corrupted output still fails."""
+    not run again, even once its program and artifact are pruned from the cache, but its saved
+    outputs are judged again, so a corrupted output still fails."""
+    import shutil
+
     import torch
 
+    from harness.backends import get_backend
     from harness.plumbing import cache
+    from harness.programs import program_key
     from harness.runner import Item
     from harness.verdict import Verdict
 
@@ -587,7 +592,26 @@ def test_reuse_runs_judges_the_saved_outputs_again_without_running(tiny_session)
         assert reused.cache["run"] == "hit" and tiny_session.counts["runs"] == runs + 1
         assert reused.verdict is Verdict.PASS and reused.metrics == first.metrics
         assert reused.timings["run_s"] == first.timings["run_s"]  # the stored run's own figures
-        other = tiny_session.run(Item("tiny", "text_encoder", "example-interpreter", "dynamic"))  # other inputs
+        # the program and the artifact let go by a capped cache: the saved run is found by its keys alone
+        r = tiny_session.resolve(item)
+        program, _ = program_key(item.step, r.traces.inputs(item.step, item.mode, "float32"), r.patches,
+                                 tiny_session.model.digest)
+        for kind, key in (("programs", program), ("artifacts", get_backend(item.backend).artifact_key(program))):
+            shutil.rmtree(cache.entry(kind, key))
+        work = (tiny_session.counts["exports"], tiny_session.counts["compiles"], tiny_session.counts["runs"])
+        bare = tiny_session.run(item)
+        assert (tiny_session.counts["exports"], tiny_session.counts["compiles"], tiny_session.counts["runs"]) == work
+        assert bare.cache == {"program": "not needed", "artifact": "not needed", "run": "hit"}
+        assert bare.verdict is Verdict.PASS and bare.metrics == first.metrics
+        assert bare.audit == first.audit and bare.artifact_bytes == first.artifact_bytes  # kept with the run
+        tiny_session.reuse_only = True  # --reuse-only: what the cache does not hold is SKIPPED, no work done
+        assert tiny_session.run(item).verdict is Verdict.PASS
+        never = Item("tiny", "bert", "example-interpreter", "dynamic")  # no other test of this module runs it
+        cold = tiny_session.run(never)
+        assert cold.verdict is Verdict.SKIPPED and cold.reason.startswith("not warm: bert would export here")
+        assert (tiny_session.counts["exports"], tiny_session.counts["compiles"], tiny_session.counts["runs"]) == work
+        tiny_session.reuse_only = False
+        other = tiny_session.run(never)  # without --reuse-only, a run not saved runs
         assert other.cache["run"] == "miss" and tiny_session.counts["runs"] == runs + 2
         saved = [e / "outputs.pt" for e in (cache.cache_dir() / "runs").iterdir() if (e / ".complete").exists()]
         for path in saved:  # every saved output made NaN: judged again, they must fail
@@ -595,7 +619,7 @@ def test_reuse_runs_judges_the_saved_outputs_again_without_running(tiny_session)
         spoiled = tiny_session.run(item)
         assert spoiled.cache["run"] == "hit" and spoiled.verdict is Verdict.FAIL
     finally:
-        tiny_session.reuse_runs = False
+        tiny_session.reuse_runs = tiny_session.reuse_only = False
 
 
 @pytest.mark.slow
