@@ -464,7 +464,7 @@ class Session:
         if key:
             rec.cache[f"{tag}run"] = "miss"
             compiled = artifact_path.parent / "result.json"  # the artifact's audit and size, for saved_run
-            compiled = json.loads(compiled.read_text())["value"] if compiled.exists() else {}
+            compiled = (json.loads(compiled.read_text()).get("value") or {}) if compiled.exists() else {}
             run_cache.store(key, run_dir / f"outputs{ext}", {
                 "timings": {k: rec.timings[f"{tag}{k}"] for k in ("run_s", "run_job_s")},
                 "peak_rss_mb": result.peak_rss_mb, "audit": result.value.get("audit") or {},
