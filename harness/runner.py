@@ -94,8 +94,9 @@ class Resolved:
 class Session:
     """One run over a model and its cases. Traces and the model load lazily, once.
 
-    A little over 200 lines: the lazily loaded state, the three phases of an item (program,
-    artifact, run) and its judging share that state and nothing else; each method is short."""
+    About 400 lines: the lazily loaded state, the three phases of an item (program, artifact,
+    run), the saved runs a warm re-run judges instead, and the judging share that state and
+    nothing else; each method is short."""
 
     weights: str | None = None
     case_ids: list[str] | None = None
