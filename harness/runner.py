@@ -364,7 +364,8 @@ class Session:
 
         key, _ = program_key(step, inputs, patches, self.model.digest)
         artifact_path = cache.entry("artifacts", backend.artifact_key(key)) / backend.artifact_name
-        reused = self.reused_run(backend, artifact_path, inputs, rec, run_name, tag)
+        reused = self.reused_run(backend, run_cache.run_key(artifact_path, list(inputs.values() if isinstance(
+            inputs, dict) else inputs), backend.name), inputs, rec, run_name, tag)
         if reused is None:
             return None
         outputs, saved = reused
@@ -395,14 +396,12 @@ class Session:
             save_tensors(run_dir / "inputs.pt", inputs)
         return run_dir, onnx
 
-    def reused_run(self, backend: Backend, artifact_path: Path, inputs, rec: Record, run_name: str,
+    def reused_run(self, backend: Backend, key: str | None, inputs, rec: Record, run_name: str,
                    tag: str = "") -> tuple[list, dict] | None:
-        """(outputs, the stored run's figures) of a local run of this artifact on these inputs that
-        was saved (`reuse_runs`), or None. Fills the record's run figures as the run had."""
+        """(outputs, the stored run's figures) of the saved local run `key` (run_cache.run_key of an
+        artifact and its inputs) with `reuse_runs`, or None. Fills the record's run figures as the run had."""
         from .plumbing import run_cache
 
-        key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
-                                 backend.name)
         if not key or not self.reuse_runs:
             return None
         run_dir, onnx = self.run_inputs(backend, inputs, run_name, write=False)
@@ -425,16 +424,15 @@ class Session:
         from .plumbing.targets import TargetUnreachable
 
         target = self.target_for(rec.target.get("name") or "local")
-        if target.kind == "local":
-            reused = self.reused_run(backend, artifact_path, inputs, rec, run_name, tag)
-            if reused is not None:
-                return reused[0]
+        key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
+                                 backend.name) if target.kind == "local" else None
+        reused = self.reused_run(backend, key, inputs, rec, run_name, tag)
+        if reused is not None:
+            return reused[0]
         if self.reuse_only:
             return self.not_warm(rec, "run", run_name)
         run_dir, onnx = self.run_inputs(backend, inputs, run_name)
         ext = ".npz" if onnx else ".pt"
-        key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
-                                 backend.name) if target.kind == "local" else None
         from . import progress
 
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
