@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backends.prebuilt import KINDS, ArtifactMismatch, Port, kind_of, run_artifact  # noqa: F401
+from .port.onnx_steps import localize_artifact_item
+from .port.pte_stages import etrecord_for, localize_pte
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,21 @@ class ArtifactItem:
         from .record import item_id
 
         return item_id(self.case, self.step, self.backend, self.mode)
+
+    # harness.pipeline: how this kind of item runs and is localized
+    def run(self, session):
+        return check_artifact(session, self)
+
+    def localizable(self, record, how) -> bool:
+        return record.verdict.value == "fail"
+
+    def localize(self, session, record, how, log) -> None:
+        """Inside a .pte through ExecuTorch's ETRecord and ETDump; inside an ONNX stage by stage;
+        any other format is judged whole, with the reason in the record."""
+        if self.path.lower().endswith(".pte"):
+            localize_pte(session, self, record, etrecord_for(self, list(how.etrecords)), log=log)
+        else:
+            localize_artifact_item(session, self, record, log=log)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:

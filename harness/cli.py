@@ -8,111 +8,69 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import options
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", action="append", help="backend (repeatable; default: every installed one)")
-    p.add_argument("--case", action="append", help="case id (repeatable; default: all in cases/)")
-    p.add_argument("--step", action="append", help="step name (repeatable; default: all)")
-    p.add_argument("--mode", choices=("dynamic", "static", "both"), default="both")
-    p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
-    p.add_argument("--report-dir", default="reports", type=Path)
-    p.add_argument("--profile", help="tolerance profile YAML")
-    p.add_argument("--with-patch", action="append", default=[], help="add a patch to every backend's own")
-    p.add_argument("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
-                   help="child-process time limit of export, compile or run (default 900 s each), as pytest's")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
-                   help="skip a compile whose backend's cost law estimates more memory (default: 80%% of this machine's)")
-    p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",
-                   help="run the backends without this named workaround (repeatable, or `all`; see `backends`)")
-    p.add_argument("--target", default="local", metavar="NAME",
-                   help="run the compiled artifacts on this target of targets.yaml (docs/targets.md); items are "
-                        "named backend@NAME")
-    p.add_argument("--targets-file", metavar="PATH", help="default: ./targets.yaml, then the user's config dir")
-    p.add_argument("--reuse-runs", action="store_true",
-                   help="judge the saved outputs of a local run whose artifact and inputs ran before, instead of "
-                        "running it again (a warm re-run after a tolerance or reference change)")
-    p.add_argument("--reuse-only", action="store_true",
-                   help="--reuse-runs, and never export, compile or run: an item this cache does not hold warm is "
-                        "SKIPPED 'not warm'")
+
+RUN = (*options.RUN, "step")  # `kokoro-parity run` and `nightly` take pytest's options, and --step for -k
+
+
+def _config(args) -> options.RunConfig:
+    return options.RunConfig.from_options(lambda name: getattr(args, name))
+
+
+def _session(config: options.RunConfig):
+    """The Session of these options, its target checked first (an unknown target or a malformed
+    targets file is an error before any work)."""
+    from .runner import Session
+
+    session = Session.from_config(config)
+    session.target_for(config.target)
+    return session
+
+
+def _backends(config: options.RunConfig) -> list[str]:
+    from .backends import backend_names, get_backend
+
+    return list(config.backends or [b for b in backend_names() if get_backend(b).available()[0]])
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
 
 
 def cmd_run(args) -> int:
-    from .backends import backend_names, get_backend
-    from .report import item_table, summary_table
-    from .runner import Session
-    from .verdict import Profile
-
-    from .runner import Limits
-
-    session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
-                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit, args.memory_limit),
-                      reuse_runs=args.reuse_runs or args.reuse_only, reuse_only=args.reuse_only)
-    session.target_for(args.target)  # an unknown target or a malformed targets file: an error before any work
-    backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
-    modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
-    from .artifacts import ArtifactItem, artifact_items, check_artifact
-    from .port.chain import PortItem, port_items, run_port_item
-
-    items = [] if args.artifact and not args.backend else session.items(backends, args.step, modes)
-    items += artifact_items(session, [a for a in args.artifact if not a.startswith("e2e=")], modes)
-    items += port_items(session, [a for a in args.artifact if a.startswith("e2e=")])
-    from . import progress
-
-    records = []
-    try:
-        for item in items:
-            with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
-                rec = (check_artifact(session, item) if isinstance(item, ArtifactItem) else
-                       run_port_item(session, item) if isinstance(item, PortItem) else session.run(item))
-            if args.bisect and isinstance(item, ArtifactItem) and rec.verdict.value == "fail":
-                from .port.onnx_steps import localize_artifact_item  # inside one step's ONNX
-
-                localize_artifact_item(session, item, rec, log=lambda line: print(line, flush=True))
-            records.append(rec)
-            print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
-    finally:
-        session.close()
-    print(summary_table(records))
-    c = session.counts
-    print(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}"
-          + (f" ({c['runs_reused']} more reused)" if c["runs_reused"] else ""))
-    return 0 if all(r.verdict.ok for r in records) else 1
+    """The same items as the pytest plugin, judged (and with --bisect localized) the same way."""
+    config = _config(args)
+    return _judge(config, _backends(config), summary=True)
 
 
 def _run_ports(args, specs: list[str]) -> int:
     """Port items (whole-model files, port files) for the chosen cases: one stage table each."""
-    from .port.chain import port_items, run_port_item
-    from .report import item_table
-    from .runner import Session
-    from .verdict import Profile
+    return _judge(_config(args).replace(artifacts=(), ports=tuple(specs), modes=("dynamic",)), [], summary=False)
 
-    session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
-                      profile=Profile.load(args.profile))
-    session.noise_k = args.noise_k
+
+def _judge(config: options.RunConfig, backends: list[str], summary: bool) -> int:
     from . import progress
+    from .pipeline import check, items
+    from .report import item_table, summary_table
 
+    session = _session(config)
     records = []
-    for item in port_items(session, specs):
-        with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
-            rec = run_port_item(session, item)
-        if args.bisect and not rec.verdict.ok:
-            from .port.onnx_stages import localize_item
-
-            localize_item(session, item, rec, log=lambda line: print(line, flush=True))
-        records.append(rec)
-        print(item_table(rec), flush=True)
+    try:
+        for item in items(session, config, backends):
+            with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
+                rec = check(session, item, config.localize, log=_print_line)
+            records.append(rec)
+            show = not rec.verdict.ok or rec.stages or not summary  # a port's stage table is the answer
+            print(item_table(rec) if show else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
+    finally:
+        session.close()
+    if summary:
+        print(summary_table(records))
+        c = session.counts
+        print(f"work: exports {c['exports']}, compiles {c['compiles']}, runs {c['runs']}"
+              + (f" ({c['runs_reused']} more reused)" if c["runs_reused"] else ""))
     return 0 if all(r.verdict.ok for r in records) else 1
-
-
-def _add_port_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--case", action="append", help="case id (repeatable; default: all in cases/)")
-    p.add_argument("--weights", help="a Kokoro .pth, `hf`, or `random[:seed]` (default: int8-rebuilt v1.0)")
-    p.add_argument("--report-dir", default="reports", type=Path)
-    p.add_argument("--profile", help="tolerance profile YAML")
-    p.add_argument("--noise-k", type=int, default=None, help="reference runs for the noise band (default 16)")
-    p.add_argument("--bisect", action="store_true",
-                   help="on failure, localize inside an ONNX artifact and write a repro bundle")
 
 
 def cmd_check(args) -> int:
@@ -144,31 +102,29 @@ def cmd_port(args) -> int:
 
 def cmd_bisect(args) -> int:
     """Run one item; if it fails, localize the first diverging module and op, and write a repro."""
-    from .bisect import BISECTABLE, bisect_item
     from .report import item_table
-    from .runner import Item, Session
-    from .verdict import Profile
+    from .runner import Item
 
-    session = Session(weights=args.weights, case_ids=[args.case], report_dir=args.report_dir,
-                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch))
+    config = _config(args)
+    how = options.Localize(depth=args.bisect_depth, band_from=args.bisect_band_from, verify=not args.no_verify,
+                           force=args.force)
+    session = _session(config)
     item = Item(args.case, args.step, args.backend, args.mode)
-    rec = session.run(item)
-    if rec.verdict.value not in BISECTABLE and not (args.force and rec.verdict.value == "pass"):
+    rec = item.run(session)
+    if not item.localizable(rec, how):
         print(item_table(rec))
         print(f"{item.id}: {rec.verdict.value}: nothing to localize")
         return 0 if rec.verdict.ok else 1
     print(f"{item.id}: {rec.verdict.value.upper()} {rec.reason}\nbisecting ...", flush=True)
-    bisect_item(session, item, rec, depth=args.depth, verify=not args.no_verify,
-                log=lambda line: print(line, flush=True), band_from=args.band_from)
+    item.localize(session, rec, how, _print_line)
     print(item_table(rec))
     return 0 if rec.verdict.ok else 1
 
 
 def cmd_nightly(args) -> int:
     """The whole matrix (or the selected part) into one history entry, compared with the last one."""
-    from .backends import backend_names, get_backend
     from .history import nightly
-    from .runner import Session
+    from .pipeline import check, items as items_of
     from .verdict import Profile
 
     history_dir = args.history_dir or args.report_dir / "history"
@@ -178,17 +134,13 @@ def cmd_nightly(args) -> int:
         result = record_run(args.from_records, history_dir, junit_path=args.junit or args.report_dir / "junit" /
                             "nightly.xml", factor=args.factor, profile=Profile.load(args.profile))
         return _nightly_done(args, result, history_dir)
-    session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
-                      profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file,
-                      reuse_runs=args.reuse_runs or args.reuse_only, reuse_only=args.reuse_only)
-    session.target_for(args.target)
-    backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]
-    modes = ("dynamic", "static") if args.mode == "both" else (args.mode,)
-    items = session.items(backends, args.step, modes)
-    selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(modes),
+    config = _config(args)  # the time and memory limits included, as `run` takes them
+    session = _session(config)
+    backends = _backends(config)
+    items = items_of(session, config, backends)
+    selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(config.modes),
                      weights=args.weights, profile=args.profile, with_patch=args.with_patch)
-    result = nightly((session.run(item) for item in items), history_dir, n_items=len(items),
+    result = nightly((check(session, item, config.localize, log=_print_line) for item in items), history_dir, n_items=len(items),
                      backends=backends, profile=session.profile, counts=lambda: dict(session.counts),
                      junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
                      factor=args.factor, selection=selection,
@@ -231,9 +183,8 @@ def cmd_drift(args) -> int:
     from tabulate import tabulate
 
     from .reference import rewrite_drift
-    from .runner import Session
 
-    session = Session(weights=args.weights, case_ids=args.case)
+    session = _session(_config(args))
     rows = []
     for case_id, case in session.cases.items():
         traces = session.traces(case_id)
@@ -262,11 +213,9 @@ def cmd_merge(args) -> int:
 def cmd_profile(args) -> int:
     """ExecuTorch's own per-operator profile (ETDump) of one item's .pte: delegated vs not."""
     from .profile import markdown, profile_item
-    from .runner import Item, Session
-    from .verdict import Profile
+    from .runner import Item
 
-    session = Session(weights=args.weights, case_ids=[args.case], report_dir=args.report_dir,
-                      profile=Profile.load(None), extra_patches=tuple(args.with_patch))
+    session = _session(_config(args).replace(case_ids=(args.case,)))
     try:
         table, out = profile_item(session, Item(args.case, args.step, args.backend, args.mode), repeat=args.repeat)
     except RuntimeError as e:  # the item did not compile, or the profiled run failed: the reason, not a traceback
@@ -417,18 +366,13 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     parser = argparse.ArgumentParser(prog="kokoro-parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run (case, step, backend, mode) items and print the summary")
-    _add_run_options(p)
-    p.add_argument("--artifact", action="append", default=[], metavar="STEP=PATH",
-                   help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references (repeatable; "
-                        "without --backend only these items run)")
-    p.add_argument("--bisect", action="store_true",
-                   help="on a failing --artifact ONNX item, localize inside it module by module and write a repro")
+    options.add_argparse(p, RUN)
     p.set_defaults(fn=cmd_run)
     sub.add_parser("backends", help="list backends and whether they can run here").set_defaults(fn=cmd_backends)
     p = sub.add_parser("check", help="judge a whole-model artifact (tokens, style, speed -> audio) on the cases: "
                                      "audio metrics beside their noise band (docs/own-port.md)")
     p.add_argument("path", help=".onnx, .pte, TVM .so or .mlpackage")
-    _add_port_run_options(p)
+    options.add_argparse(p, options.PORTS)
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("port", help="port files: `port init ARTIFACT...` guesses one, `port check PORT.yaml` "
                                     "validates it (--run: and judges it stage by stage)")
@@ -436,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p.add_argument("paths", nargs="+")
     p.add_argument("--out", type=Path, default=Path("port.yaml"), help="init: where to write (default port.yaml)")
     p.add_argument("--run", action="store_true", help="check: then run the port on the cases")
-    _add_port_run_options(p)
+    options.add_argparse(p, options.PORTS)
     p.set_defaults(fn=cmd_port)
     p = sub.add_parser("bisect", help="run one item; if it fails, find the first diverging module and op, "
                                       "and write a standalone repro to <report-dir>/repro/<item>/")
@@ -444,19 +388,10 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p.add_argument("--step", required=True)
     p.add_argument("--backend", required=True)
     p.add_argument("--mode", choices=("dynamic", "static"), default="static")
-    p.add_argument("--depth", type=int, default=2, help="module levels whose cuts are searched before the ops (0: ops only)")
     p.add_argument("--no-verify", action="store_true", help="do not run the written repro.py")
     p.add_argument("--force", action="store_true",
                    help="bisect a passing item too (a clean backend must localize nothing: a check of the rule)")
-    p.add_argument("--band-from", metavar="BACKEND",
-                   help="a build of this backend known to be right (the previous runtime version, the build without "
-                        "your change): values as far from float64 as its own are not where the defect starts")
-    p.add_argument("--weights")
-    p.add_argument("--report-dir", default="reports", type=Path)
-    p.add_argument("--profile")
-    p.add_argument("--with-patch", action="append", default=[])
-    p.add_argument("--no-workaround", action="append", default=[], metavar="NAME",
-                   help="run the backends without this named workaround (repeatable, or `all`; see `backends`)")
+    options.add_argparse(p, options.BISECT)
     p.set_defaults(fn=cmd_bisect)
     p = sub.add_parser("merge", help="join the report dirs of several shards (--shard K/N) into one")
     p.add_argument("dirs", nargs="+", type=Path)
@@ -472,18 +407,14 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p.add_argument("--mode", choices=("dynamic", "static"), default="static")
     p.add_argument("--repeat", type=int, default=3, help="runs; the first is a warm-up, left out when there are more")
     p.add_argument("--top", type=int, default=15, help="operators printed (the files have all)")
-    p.add_argument("--weights")
-    p.add_argument("--report-dir", default="reports", type=Path)
-    p.add_argument("--with-patch", action="append", default=[])
+    options.add_argparse(p, ("weights", "report_dir", "with_patch"))
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("drift", help="rewrite drift of the static references (no backend), per case and step")
-    p.add_argument("--case", action="append")
-    p.add_argument("--step", action="append")
-    p.add_argument("--weights")
-    p.add_argument("--with-patch", action="append", default=[], help="also measure with this patch (e.g. length_aware_lstm)")
+    options.add_argparse(p, ("case", "step", "weights", "with_patch"),
+                         with_patch=dict(help="also measure with this patch (e.g. length_aware_lstm)"))
     p.set_defaults(fn=cmd_drift)
     p = sub.add_parser("nightly", help="run the matrix into a history entry + JUnit XML; print regressions")
-    _add_run_options(p)
+    options.add_argparse(p, RUN)
     p.add_argument("--history-dir", type=Path, help="default: <report-dir>/history")
     p.add_argument("--no-upstream", action="store_true",
                    help="do not re-run docs/upstream/'s repro bundles (by default each one's status is kept)")

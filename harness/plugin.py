@@ -11,73 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from . import options, pipeline
 from .record import Record
 from .verdict import Verdict
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("kokoro-parity")
-    g.addoption("--backend", action="append", default=None,
-                help="backend to check (repeatable; default: every installed backend)")
-    g.addoption("--case", action="append", default=None,
-                help="case id (repeatable; default: all): the shipped cases and those of --cases-dir")
-    g.addoption("--cases-dir", action="append", default=[], metavar="DIR",
-                help="your own cases (YAML, `kokoro-parity new-case`), before the shipped ones; ini: kokoro_parity_cases")
+    options.add_pytest(g, options.RUN)  # the same options, spelled the same, as `kokoro-parity run`
     g.addoption("--golden-dir", default=None, metavar="DIR",
                 help="your golden store (read first, written by --update-golden); ini: kokoro_parity_golden")
     parser.addini("kokoro_parity_cases", "directories of your own cases (relative to the ini file)", type="paths",
                   default=[])
     parser.addini("kokoro_parity_golden", "your golden store directory (relative to the ini file)", type="paths",
                   default=[])
-    g.addoption("--mode", choices=("dynamic", "static", "both"), default="both",
-                help="dynamic (exact lengths) or static (padded to the bucket, packing disabled)")
-    g.addoption("--weights", default=None,
-                help="Kokoro .pth to load strictly, `hf` (local HF cache), `random[:seed]`; default: the "
-                     "int8-rebuilt Kokoro-82M v1.0 (env KOKORO_PARITY_WEIGHTS)")
     g.addoption("--update-golden", action="store_true",
                 help="regenerate the golden store (--golden-dir, else the shipped one) from the current references")
-    g.addoption("--report-dir", default="reports", help="where JSON records and run files go")
-    g.addoption("--profile", default=None, help="tolerance profile YAML (default: harness/tolerances.yaml)")
-    g.addoption("--artifact", action="append", default=[], metavar="STEP=PATH",
-                help="judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references, or a whole-model "
-                     "file with e2e=PATH (repeatable; without --backend only these items run)")
-    g.addoption("--etrecord", action="append", default=[], metavar="[STEP=]PATH",
-                help="the ETRecord of a .pte artifact (export with generate_etrecord=True): --bisect localizes "
-                     "inside the .pte through ExecuTorch's ETDump (default: <artifact>.etrecord beside it)")
-    g.addoption("--port", action="append", default=[], metavar="PORT.YAML",
-                help="judge a port file's chain of artifacts stage by stage (docs/own-port.md; repeatable)")
-    g.addoption("--noise-k", type=int, default=None,
-                help="reference runs with different noise seeds for the noise band (default 16)")
-    g.addoption("--target", default="local", metavar="NAME",
-                help="run the compiled artifacts on this target of targets.yaml (an SSH machine: a Mac, an ARM "
-                     "board; docs/targets.md); compile stays here. Ids and tables say `backend@NAME`")
-    g.addoption("--targets-file", default=None, metavar="PATH",
-                help="the targets file (default: ./targets.yaml, then the user's config dir)")
-    g.addoption("--with-patch", action="append", default=[], dest="with_patch",
-                help="add a patch to every backend's own (repeatable), e.g. length_aware_lstm")
-    g.addoption("--no-workaround", action="append", default=[], dest="no_workaround", metavar="NAME",
-                help="run the backends without this named workaround of a runtime defect (repeatable, or `all`; "
-                     "`kokoro-parity backends` lists them), so the defect shows as a verdict and can be bisected")
-    g.addoption("--bisect", action="store_true",
-                help="after a failing item, localize the first diverging module and op on the backend and "
-                     "write a standalone repro to <report-dir>/repro/<item>/ (see docs/bisection.md)")
-    g.addoption("--bisect-band-from", default=None, metavar="BACKEND",
-                help="bisect against a band: a build of the backend known to be right (e.g. the previous runtime "
-                     "version); its own deviations from float64 are not named (docs/bisection.md)")
-    g.addoption("--bisect-depth", type=int, default=2,
-                help="module levels below the step's module whose cuts are searched before the ops (0: ops only)")
-    g.addoption("--time-limit", action="append", default=[], metavar="PHASE=SECONDS",
-                help="child-process time limit of export, compile or run (default 900 s each); "
-                     "past it the item is TIMEOUT")
-    g.addoption("--memory-limit", type=float, default=None, metavar="GB",
-                help="skip a compile whose backend's cost law estimates more memory (default: 80%% of this "
-                     "machine's; docs/performance.md)")
-    g.addoption("--reuse-runs", action="store_true",
-                help="judge the saved outputs of a local run whose artifact and inputs ran before instead of running "
-                     "it again (harness.plumbing.run_cache); without it every run runs")
-    g.addoption("--reuse-only", action="store_true",
-                help="--reuse-runs, and never export, compile or run: an item this cache does not hold warm is "
-                     "SKIPPED 'not warm' (re-judge a matrix against today's references and tolerances)")
     g.addoption("--shard", default=None, metavar="K/N",
                 help="run the K-th of N shards (1-based); items that share a compile stay together. "
                      "Join the shards' report dirs with `kokoro-parity merge`.")
@@ -226,21 +175,17 @@ class _PytestLine:
         self.drawn = False
 
 
+def run_config(config: pytest.Config) -> options.RunConfig:
+    """This run's options, read once (harness.options: the same table as the CLI's)."""
+    return options.RunConfig.from_options(config.getoption, extra_cases_dirs=config.getini("kokoro_parity_cases"))
+
+
 def _session(config: pytest.Config):
     s = config.stash.get(SESSION_KEY, None)
     if s is None:
-        from .runner import Limits, Session
-        from .verdict import Profile
+        from .runner import Session
 
-        s = Session(weights=config.getoption("--weights"), case_ids=config.getoption("--case"),
-                    report_dir=Path(config.getoption("--report-dir")),
-                    profile=Profile.load(config.getoption("--profile")),
-                    extra_patches=tuple(config.getoption("with_patch")),
-                    limits=Limits.parse(config.getoption("--time-limit"), config.getoption("--memory-limit")),
-                    target=config.getoption("--target"), targets_file=config.getoption("--targets-file"),
-                    reuse_runs=config.getoption("--reuse-runs") or config.getoption("--reuse-only"),
-                    reuse_only=config.getoption("--reuse-only"),
-                    cases_dirs=tuple(map(str, [*config.getoption("--cases-dir"), *config.getini("kokoro_parity_cases")])))
+        s = Session.from_config(run_config(config))
         from .cases import CaseError
         from .plumbing.targets import TargetError
 
@@ -285,7 +230,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if ports:
             from .port.chain import port_items
 
-            _session(config).noise_k = config.getoption("--noise-k")
             items += port_items(_session(config), ports, modes)
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:
@@ -367,40 +311,13 @@ def check_parity(request: pytest.FixtureRequest):
     from .report import item_table
 
     def check(item) -> Record:
-        from .artifacts import ArtifactItem, check_artifact
-        from .port.chain import PortItem, run_port_item
-
         from . import progress
 
-        artifact = isinstance(item, (ArtifactItem, PortItem))
         with progress.item(item.id):
-            if isinstance(item, PortItem):
-                rec = run_port_item(_session(request.config), item)
-            else:
-                rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
+            rec = pipeline.check(_session(request.config), item, run_config(request.config).localize)
         request.config.stash[RECORDS_KEY].append(rec)
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
-        if rec.verdict is Verdict.FAIL and request.config.getoption("--bisect") and isinstance(item, PortItem):
-            from .port.onnx_stages import localize_item
-
-            localize_item(_session(request.config), item, rec)  # inside the ONNX: stages, repro bundle
-        if rec.verdict is Verdict.FAIL and request.config.getoption("--bisect") and isinstance(item, ArtifactItem):
-            if item.path.lower().endswith(".pte"):  # through ExecuTorch's ETRecord and ETDump
-                from .port.pte_stages import etrecord_for, localize_pte
-
-                etrecord = etrecord_for(item, request.config.getoption("--etrecord"))
-                localize_pte(_session(request.config), item, rec, etrecord)
-            else:
-                from .port.onnx_steps import localize_artifact_item
-
-                localize_artifact_item(_session(request.config), item, rec)  # inside one step's ONNX
-        if rec.verdict is not Verdict.PASS and request.config.getoption("--bisect") and not artifact:
-            from .bisect import BISECTABLE, bisect_item
-
-            if rec.verdict.value in BISECTABLE:  # fills rec.bisect and rewrites the record
-                bisect_item(_session(request.config), item, rec, depth=request.config.getoption("--bisect-depth"),
-                            band_from=request.config.getoption("--bisect-band-from"))
         if rec.verdict is not Verdict.PASS:
             pytest.fail(item_table(rec), pytrace=False)
         return rec

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backends import Backend, get_backend
+from .bisect import BISECTABLE, bisect_item
 from .cases import Case, case_dirs, configured_dirs, load_cases
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
 from .plumbing.jobs import cached_job
@@ -34,6 +35,17 @@ class Item:
     @property
     def id(self) -> str:
         return item_id(self.case, self.step, backend_label(self.backend, self.target), self.mode)
+
+    # harness.pipeline: how this kind of item runs and is localized
+    def run(self, session: "Session") -> Record:
+        return session.run(self)
+
+    def localizable(self, record: Record, how) -> bool:
+        """A backend step's failure, error or crash is bisected on its graph; a pass only when forced."""
+        return record.verdict.value in BISECTABLE or (how.force and record.verdict is Verdict.PASS)
+
+    def localize(self, session: "Session", record: Record, how, log) -> None:
+        bisect_item(session, self, record, depth=how.depth, verify=how.verify, log=log, band_from=how.band_from)
 
 
 MEMORY_SHARE = 0.8
@@ -110,10 +122,22 @@ class Session:
     targets_file: str | None = None  # default: ./targets.yaml, then the user's config dir
     reuse_runs: bool = False  # judge a local run's saved outputs instead of running it again (run_cache)
     reuse_only: bool = False  # and never export, compile or run: what this cache does not hold is SKIPPED
+    noise_k: int | None = None  # reference runs with other noise seeds for the noise band (harness.port.noise)
+    described_artifacts: dict = field(default_factory=dict)  # artifact key -> its described ports (port chains)
     _model: object = None
     _targets: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)
     _cases: dict | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "Session":
+        """The Session of a run configuration (harness.options.RunConfig), whichever face read it."""
+        return cls(weights=config.weights, case_ids=list(config.case_ids) if config.case_ids else None,
+                   report_dir=Path(config.report_dir), profile=Profile.load(config.profile),
+                   limits=Limits.parse(list(config.time_limit), config.memory_limit),
+                   extra_patches=tuple(config.with_patch), target=config.target, cases_dirs=config.cases_dirs,
+                   targets_file=config.targets_file, reuse_runs=config.reuse_runs, reuse_only=config.reuse_only,
+                   noise_k=config.noise_k)
 
     # -- lazily loaded state --------------------------------------------------------------
     @property

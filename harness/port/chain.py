@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import tensors
+from .onnx_stages import localize_item
 from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
 
 from ..model import SAMPLES_PER_FRAME
@@ -66,6 +67,16 @@ class PortItem:
         from ..record import item_id
 
         return item_id(self.case, self.step, self.backend, self.mode)
+
+    # harness.pipeline: how this kind of item runs and is localized
+    def run(self, session):
+        return run_port_item(session, self)
+
+    def localizable(self, record, how) -> bool:
+        return record.verdict.value == "fail"
+
+    def localize(self, session, record, how, log) -> None:
+        localize_item(session, self, record, log=log)  # inside each ONNX stage; a repro bundle
 
 
 def open_port(spec: str) -> Port:
@@ -652,7 +663,7 @@ def declared_ports(session, backend, run_dir: Path):
     from ..plumbing.jobs import JobResult, run_job
 
     key = backend.artifact_key()
-    described = vars(session).setdefault("described_artifacts", {})  # artifact key -> its ok result
+    described = session.described_artifacts  # artifact key -> its ok result
     if key in described:
         return described[key]
     if backend.kind == "onnx":
@@ -838,4 +849,4 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
 def session_k(session) -> int:
     from .noise import DEFAULT_K
 
-    return int(getattr(session, "noise_k", None) or DEFAULT_K)
+    return int(session.noise_k or DEFAULT_K)
