@@ -360,11 +360,17 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, str(script), *args.rest])
 
 
-def main(argv: list[str] | None = None) -> int:  # long: the whole argparse table, one subcommand after another
-    # Long on purpose: one flat list of subcommands and their options, read top to bottom like
-    # `--help` prints them; split up, a reader would jump between functions to see one command.
+def build_parser() -> argparse.ArgumentParser:
+    """The subcommands, in the order `--help` lists them."""
     parser = argparse.ArgumentParser(prog="kokoro-parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_item_commands, _matrix_commands, _tool_commands):
+        add(sub)
+    return parser
+
+
+def _item_commands(sub) -> None:
+    """Items judged: the run, a whole-model file, a port file, one item bisected."""
     p = sub.add_parser("run", help="run (case, step, backend, mode) items and print the summary")
     options.add_argparse(p, RUN)
     p.set_defaults(fn=cmd_run)
@@ -393,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
                    help="bisect a passing item too (a clean backend must localize nothing: a check of the rule)")
     options.add_argparse(p, options.BISECT)
     p.set_defaults(fn=cmd_bisect)
+
+
+def _matrix_commands(sub) -> None:
+    """Many items: shards merged, a nightly entry, its dashboard; a profile; the rewrite drift."""
     p = sub.add_parser("merge", help="join the report dirs of several shards (--shard K/N) into one")
     p.add_argument("dirs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
@@ -430,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p.add_argument("--out", type=Path, help="default: <report-dir>/dashboard")
     p.add_argument("--factor", type=float, default=2.0, help="regression factor for error metrics")
     p.set_defaults(fn=cmd_dashboard)
+
+
+def _tool_commands(sub) -> None:
+    """The cache, cases, precision, tables, benchmarks, upstream bundles, the model."""
     p = sub.add_parser("cache", help="show the cache's size, prune it to its limit, or clear it")
     p.add_argument("action", choices=("info", "prune", "clear"), nargs="?", default="info")
     p.add_argument("--max-gb", type=float, help="prune down to this many GiB (default: the cache's limit)")
@@ -488,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:  # long: the whole argparse tabl
     p = sub.add_parser("weights", help="load (and on first use rebuild) the model, and describe it")
     p.add_argument("--weights")
     p.set_defaults(fn=cmd_weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
