@@ -2,8 +2,8 @@
 
 The exported program is the one form every backend takes, and bisection cuts the same file. So
 one function names a program (`program_key`) and one gets it (`ensure_program`): the runner and
-the bisection cannot disagree about which program an item has (they once did, and a bisection
-after a patch edit could run on a stale program). Exporting runs as a job in a child process, so
+the bisection cannot disagree about which program an item has (with two, a bisection after a
+patch edit could run on a stale program). Exporting runs as a job in a child process, so
 a hang or crash inside torch.export is an item's outcome.
 """
 from __future__ import annotations

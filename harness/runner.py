@@ -53,8 +53,8 @@ MEMORY_SHARE = 0.8
 
 @dataclass
 class Limits:
-    """Each phase of an item, by default, within 15 minutes (issue 19's limit for one item on these
-    2-core machines); a cost law skips up front what it estimates past a limit."""
+    """Each phase of an item, by default, within 15 minutes (what one item may take on a 2-core
+    machine); a cost law skips up front what it estimates past a limit."""
 
     export_s: float = 900
     compile_s: float = 900

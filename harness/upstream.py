@@ -41,7 +41,7 @@ import torch.nn.functional as F
 REPRODUCED, FIXED, CANNOT_RUN, CHANGED = 1, 0, 2, 3
 STATUS = {REPRODUCED: "reproduces", FIXED: "fixed", CANNOT_RUN: "cannot run here", CHANGED: "changed"}
 BLOCKED = ("kokoro", "harness", "misaki")  # what a bundle must run without
-SEARCHED = "2026-11-23"  # when the trackers were searched for known reports (the `search` tool, corpus issues)
+SEARCHED = "2026-11-23"  # when the trackers were searched for known reports (GitHub issues and pull requests)
 # the checks below run inside repro.py, which defines these two for them
 SIGNATURE = ""
 HERE = Path(".")

@@ -310,8 +310,8 @@ def audit_of(b: Backend, program_path: Path, audit_dir: str | None = None) -> tu
 def audit_beside(b: Backend, program_path: Path, audit_dir: str | None = None):
     """Start `audit_of` in a forked process beside the compile; returns the function that waits
     for its (audit, cached). The lowering keeps one core busy and the audit takes another, so a
-    cold compile no longer waits for it. A kept audit is read here, without a process; a backend
-    without an audit, or a system without fork, gets it in this process first, as before.
+    cold compile does not wait for it. A kept audit is read here, without a process; a backend
+    without an audit, or a system without fork, gets it in this process first.
     The forked process's memory is not in the job's polled peak (its own peak is, once reaped)."""
     import json
     import multiprocessing

@@ -5,9 +5,9 @@ to a temporary sibling and renamed into place, under a file lock so that concurr
 workers, two shells) never see half an entry. Safe to delete at any time.
 
 The cache is bounded (default 40 GiB, `KOKORO_PARITY_CACHE_MAX_GB`): a hit touches its entry's
-`.complete`, and each new entry prunes the least recently used ones until the cache fits. A
-session filled a 250 GB disk before this: a backend matrix writes a program and an artifact per
-item, and nothing ever went away. Entries used in the last hour are never pruned, since another
+`.complete`, and each new entry prunes the least recently used ones until the cache fits:
+unbounded, a backend matrix, which writes a program and an artifact per item, fills a 250 GB
+disk. Entries used in the last hour are never pruned, since another
 process may be about to read them; the rebuilt weights and the admission ledger are not entries.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Child processes started before their job: a warm worker for the small, torch-free jobs of a port
-chain (issue 21's overhead target), and a one-job spare for a compiled artifact's run (issue 19's).
+chain (so judging a chain costs little more than running its artifacts), and a one-job spare for a
+compiled artifact's run (its process starts while the artifact compiles).
 
 A port item runs each ONNX stage twice (local and chained) and describes each artifact once; as a
 fresh process each, those jobs spent more on Python's start, numpy and onnxruntime's imports and

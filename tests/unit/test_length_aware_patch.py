@@ -107,7 +107,7 @@ def test_length_aware_steps_export(models):
 def test_f0n_shared_lstm_on_a_frame_bucket(models):
     """predictor.shared (in F0Ntrain) on a frame bucket: length-aware equals the exact run for a
     batch of three lengths. (The AdaIN blocks after it still normalize over the padded frames:
-    the f0n step as a whole keeps a rewrite drift; see the README.)"""
+    the f0n step as a whole keeps a rewrite drift: docs/findings.md.)"""
     g = torch.Generator().manual_seed(5)
     lengths, T = [12, 5, 9], 16
     xs = [torch.randn(1, n, 640, generator=g) for n in lengths]
