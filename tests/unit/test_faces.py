@@ -93,7 +93,7 @@ VOLATILE = {"timings", "cache", "peak_rss_mb", "log", "audio", "target", "versio
 def _strip_paths(value, roots):
     text = json.dumps(value)
     for root in roots:
-        text = text.replace(str(root), "<root>")
+        text = text.replace(f"{root}/", "<root>/")
     return json.loads(text)
 
 
