@@ -372,6 +372,37 @@ def compile_job(backend: str, program_path: str, out_dir: str, audit_dir: str | 
     return {"audit": audit, "artifact_bytes": size, "audit_cached": audit_cached}
 
 
+def probe_job(backends: list[str]) -> dict[str, Any]:
+    """Job function a target runs to describe itself: the machine (`plumbing.targets.probe`) and,
+    per backend, whether its package is there and whether it can run there, with its version."""
+    import importlib.metadata as md
+
+    from ..plumbing.jobs import first_error_line
+    from ..plumbing.targets import probe
+
+    def versions(packages) -> str:
+        out = []
+        for p in packages:
+            try:
+                out.append(f"{p}=={md.version('apache-tvm' if p == 'tvm' else p)}")
+            except md.PackageNotFoundError:
+                out.append(p)
+        return ",".join(out)
+
+    out: dict[str, Any] = {**probe(), "backends": {}}
+    for name in backends:
+        try:
+            b = get_backend(name)
+            ok, why = b.run_available()
+            if ok:
+                ok, why = b.runnable()
+            needed = b.requires if b.run_requires is None else b.run_requires
+            out["backends"][name] = {"ok": ok, "why": why, "version": versions(needed) if ok else ""}
+        except Exception as e:  # noqa: BLE001 - an unknown or broken backend there is its answer
+            out["backends"][name] = {"ok": False, "why": first_error_line(e), "version": ""}
+    return out
+
+
 def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
     import time
 
