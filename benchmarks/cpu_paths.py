@@ -70,7 +70,7 @@ def main() -> int:
         dirs[name] = out
         print(f"{name}: {(out / 'numerics').read_text()}", flush=True)
     base = dirs["mkl+aten avx2"]
-    golden = ROOT / "harness" / "data" / "golden" / "kokoro-v1_0-int8" / args.case
+    golden = ROOT / "golden" / "kokoro-v1_0-int8" / args.case
     rows = []
     for f in sorted(base.glob("*.npy")):
         step_out, mode, prec = f.stem.rsplit(".", 2)

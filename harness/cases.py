@@ -3,9 +3,10 @@
 A case is already phonemized, so no G2P runs at test time. Its bucket is the static shape that a
 port would compile for: tokens (including Kokoro's two pad tokens) and alignment frames.
 
-The shipped cases are package data (`harness/data/cases/`), so a plugin installed from a wheel has
-them; a user's own cases live in their project (`--cases-dir`, or `kokoro_parity_cases` in
-pytest's ini: `pyproject.toml` / `pytest.ini`) and take precedence over a shipped case of the same id.
+The shipped cases are the repository's `cases/`, package data of the wheel (`harness/data/cases/`,
+mapped there by pyproject.toml), so a plugin installed from a wheel has them; a user's own cases
+live in their project (`--cases-dir`, or `kokoro_parity_cases` in pytest's ini: `pyproject.toml` /
+`pytest.ini`) and take precedence over a shipped case of the same id.
 """
 from __future__ import annotations
 
@@ -17,7 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .plumbing.files import content_key
 
-CASES_DIR = Path(__file__).resolve().parent / "data" / "cases"  # the shipped cases (package data)
+
+def shipped_dir(name: str) -> Path:
+    """A shipped data directory (`cases`, `golden`): the wheel's package data (`harness/data/<name>`),
+    else the checkout's top-level `<name>/` (an editable install, or a checkout on the path). One
+    copy: pyproject.toml maps the top-level directory into the wheel."""
+    package = Path(__file__).resolve().parent
+    installed = package / "data" / name
+    return installed if installed.is_dir() else package.parent / name
+
+
+CASES_DIR = shipped_dir("cases")  # the shipped cases
 CASES_DIR_INI = "kokoro_parity_cases"  # pytest ini key; the CLI reads it from ./pyproject.toml too
 CASES_ENV = "KOKORO_PARITY_CASES"  # the user's cases directories for the CLI, os.pathsep-separated
 TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)  # standard static shapes `new-case` picks from

@@ -1,6 +1,7 @@
 """The golden store: committed reference tensors at step boundaries, one manifest per (case, mode).
 
-`<store>/<model>/<case>/<mode>/` (the shipped store: harness/data/golden; a user's: --golden-dir) holds each step output (valid region) as `.npy` and a manifest
+`<store>/<model>/<case>/<mode>/` (the shipped store: the repository's `golden/`, package data of
+the wheel; a user's: --golden-dir) holds each step output (valid region) as `.npy` and a manifest
 with the sha256 of every file, the weights digest, the case digest and the versions that made it.
 A file that fails its checksum, or golden data made from other weights or another case, is an
 error that says so; it is never a pass. Large tensors are stored as float16 to keep the store
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .cases import shipped_dir
 from .plumbing.files import atomic_write_bytes, atomic_write_json, sha256_file
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"  # the shipped cases' (package data)
+GOLDEN_DIR = shipped_dir("golden")  # the shipped cases' store
 SCHEMA = "kokoro-parity/golden/1"
 FP16_ABOVE_BYTES = 256 * 1024  # tensors larger than this are stored as float16
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}  # relative L2 allowed against the stored copy

@@ -9,13 +9,13 @@ reads the records this writes.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backends import Backend, get_backend
 from .bisect import BISECTABLE, bisect_item
+from .options import MEMORY_SHARE, Limits  # noqa: F401 (Limits is the run configuration's)
 from .cases import Case, case_dirs, configured_dirs, load_cases
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
 from .plumbing.jobs import cached_job
@@ -46,42 +46,6 @@ class Item:
 
     def localize(self, session: "Session", record: Record, how, log) -> None:
         bisect_item(session, self, record, depth=how.depth, verify=how.verify, log=log, band_from=how.band_from)
-
-
-MEMORY_SHARE = 0.8
-
-
-@dataclass
-class Limits:
-    """Each phase of an item, by default, within 15 minutes (what one item may take on a 2-core
-    machine); a cost law skips up front what it estimates past a limit."""
-
-    export_s: float = 900
-    compile_s: float = 900
-    run_s: float = 900
-    compile_gb: float | None = None  # None: MEMORY_SHARE of this machine's memory (--memory-limit)
-
-    def memory_gb(self) -> float:
-        """The memory a compile may be estimated to need (harness.backends.cost) before it is skipped:
-        by default MEMORY_SHARE of the machine's, the rest being the OS's, the pytest process's
-        (weights, references: 2-3 GB) and the run's."""
-        if self.compile_gb is not None:
-            return self.compile_gb
-        return MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-
-    @classmethod
-    def parse(cls, specs: list[str], memory_gb: float | None = None) -> "Limits":
-        """From `PHASE=SECONDS` strings (`--time-limit compile=600`) and `--memory-limit GB`."""
-        limits = cls(compile_gb=memory_gb)
-        for spec in specs:
-            phase, _, seconds = spec.partition("=")
-            if phase not in ("export", "compile", "run"):
-                raise ValueError(f"--time-limit {spec!r}: the phase is export, compile or run")
-            try:
-                setattr(limits, f"{phase}_s", float(seconds))
-            except ValueError:
-                raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
-        return limits
 
 
 def _amount(value: float, unit: str) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..plumbing.jobs import first_error_line
+from ..plumbing.targets import probe as probe_machine
 from .cost import CostLaw
 
 ENTRY_POINT_GROUP = "kokoro_parity.backends"
@@ -285,8 +287,6 @@ def audit_of(b: Backend, program_path: Path, audit_dir: str | None = None) -> tu
         try:
             return dict(b.audit(program_path) or {})
         except Exception as e:  # noqa: BLE001 - an audit that fails must not hide the compile outcome
-            from ..plumbing.jobs import first_error_line
-
             return {"audit_error": first_error_line(e)}
 
     if path is None:
@@ -370,6 +370,32 @@ def compile_job(backend: str, program_path: str, out_dir: str, audit_dir: str | 
     size = (sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) if artifact.is_dir()
             else artifact.stat().st_size)
     return {"audit": audit, "artifact_bytes": size, "audit_cached": audit_cached}
+
+
+def probe_job(backends: list[str]) -> dict[str, Any]:
+    """Job function a target runs to describe itself: the machine (`plumbing.targets.probe`) and,
+    per backend, whether its package is there and whether it can run there, with its version."""
+    def versions(packages) -> str:
+        out = []
+        for p in packages:
+            try:
+                out.append(f"{p}=={importlib.metadata.version('apache-tvm' if p == 'tvm' else p)}")
+            except importlib.metadata.PackageNotFoundError:
+                out.append(p)
+        return ",".join(out)
+
+    out: dict[str, Any] = {**probe_machine(), "backends": {}}
+    for name in backends:
+        try:
+            b = get_backend(name)
+            ok, why = b.run_available()
+            if ok:
+                ok, why = b.runnable()
+            needed = b.requires if b.run_requires is None else b.run_requires
+            out["backends"][name] = {"ok": ok, "why": why, "version": versions(needed) if ok else ""}
+        except Exception as e:  # noqa: BLE001 - an unknown or broken backend there is its answer
+            out["backends"][name] = {"ok": False, "why": first_error_line(e), "version": ""}
+    return out
 
 
 def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:

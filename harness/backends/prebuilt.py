@@ -269,7 +269,7 @@ def run_artifact(path: str | Path, inputs: list) -> list:
 
         return [torch.from_numpy(o) for o in run_onnx(path, [t.detach().cpu().numpy() for t in inputs])]
     if kind == "tvm":
-        from .tvm import run_library
+        from .tvm_library import run_library
 
         return run_library(path, inputs)
     import coremltools as ct

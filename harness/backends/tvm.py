@@ -8,8 +8,7 @@ from pathlib import Path
 
 from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
 from .cost import AUDIO_SECONDS, LSTM_STEPS, CostLaw
-
-TARGET = "llvm"
+from .tvm_library import TARGET, build_library, run_library  # noqa: F401 - build_library: onnx imports it here
 # harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
 TVM_PATCHES = ("stft_phase_where",)
 
@@ -68,28 +67,6 @@ def frontend_gaps(program) -> dict:
             "n_ops": sum(ops.values())}
 
 
-def build_library(mod, out_path: Path) -> None:
-    """relax.build for the llvm target, exported as a shared library (needs a C compiler)."""
-    import tvm
-    from tvm import relax
-
-    with tvm.transform.PassContext(opt_level=3):
-        executable = relax.build(mod, target=TARGET)
-    executable.export_library(str(out_path))
-
-
-def run_library(path: Path, inputs: list) -> list:
-    import numpy as np
-    import torch
-    import tvm
-    from tvm import relax
-
-    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
-    args = [tvm.runtime.tensor(np.ascontiguousarray(t.detach().cpu().numpy())) for t in inputs]
-    out = vm["main"](*args)
-    return [torch.from_numpy(np.array(o.numpy())) for o in _flatten(out)]
-
-
 def tvm_version() -> str:
     """The distribution is `apache-tvm`, the import `tvm`: the base class cannot find it by name."""
     import importlib.metadata as md
@@ -98,15 +75,6 @@ def tvm_version() -> str:
         return f"apache-tvm=={md.version('apache-tvm')}"
     except md.PackageNotFoundError:
         return "tvm"
-
-
-def _flatten(value) -> list:
-    if hasattr(value, "numpy"):
-        return [value]
-    out = []
-    for v in value:
-        out.extend(_flatten(v))
-    return out
 
 
 REPRO_RUNNER = '''def run_backend(program, inputs):

@@ -75,7 +75,7 @@ class Bisector:
                  log: Callable[[str], None] | None = None, errors_count: bool = False,
                  band_from: str | None = None):
         from ..backends import get_backend
-        from ..runner import Limits
+        from ..options import Limits
         from ..steps import get_step
         from ..verdict import comparator
 

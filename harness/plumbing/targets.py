@@ -164,9 +164,9 @@ def get_target(name: str, path: str | os.PathLike | None = None) -> "Target":
 
 # ---- what a target is -----------------------------------------------------------------------------
 
-def probe(backends: list[str] | None = None) -> dict[str, Any]:
-    """Job function (and the local description): the machine, its Python and, per backend, whether
-    its package is there and whether it can run here, with its version."""
+def probe() -> dict[str, Any]:
+    """The machine and its Python (the local description; on a target, part of the backends'
+    `probe_job`, which adds whether each backend can run there)."""
     import importlib.metadata as md
 
     out: dict[str, Any] = {"os": platform.system(), "os_release": platform.release(), "machine": platform.machine(),
@@ -180,33 +180,7 @@ def probe(backends: list[str] | None = None) -> dict[str, Any]:
         except md.PackageNotFoundError:
             packages[pkg] = None
     out["packages"] = packages
-    if backends:
-        from ..backends import get_backend
-
-        out["backends"] = {}
-        for name in backends:
-            try:
-                b = get_backend(name)
-                ok, why = b.run_available()
-                if ok:
-                    ok, why = b.runnable()
-                needed = b.requires if b.run_requires is None else b.run_requires
-                out["backends"][name] = {"ok": ok, "why": why, "version": _versions(needed) if ok else ""}
-            except Exception as e:  # noqa: BLE001 - an unknown or broken backend there is its answer
-                out["backends"][name] = {"ok": False, "why": first_error_line(e), "version": ""}
     return out
-
-
-def _versions(packages) -> str:
-    import importlib.metadata as md
-
-    out = []
-    for p in packages:
-        try:
-            out.append(f"{p}=={md.version('apache-tvm' if p == 'tvm' else p)}")
-        except md.PackageNotFoundError:
-            out.append(p)
-    return ",".join(out)
 
 
 class Target:
@@ -403,7 +377,7 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
         if not self._probe or wanted:
             with tempfile.TemporaryDirectory(prefix="kp-probe-") as tmp:
                 try:
-                    r = self._run_once("harness.plumbing.targets:probe", {"backends": wanted}, Path(tmp), 120, {})
+                    r = self._run_once("harness.backends:probe_job", {"backends": wanted}, Path(tmp), 120, {})
                 except (TransportError, TargetUnreachable) as e:
                     self._unreachable = f"target {self.name!r} unreachable: {e}"
                     raise TargetUnreachable(self._unreachable) from None

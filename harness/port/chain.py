@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from . import tensors
-from .onnx_stages import localize_item
 from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
 
 from ..model import SAMPLES_PER_FRAME
@@ -76,6 +75,8 @@ class PortItem:
         return record.verdict.value == "fail"
 
     def localize(self, session, record, how, log) -> None:
+        from .onnx_stages import localize_item  # cycle: onnx_stages uses this module's judging helpers
+
         localize_item(session, self, record, log=log)  # inside each ONNX stage; a repro bundle
 
 

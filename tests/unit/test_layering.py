@@ -1,0 +1,44 @@
+"""The package's shape: who may import whom (import-linter's contracts in pyproject.toml, the rules
+of docs/design.md), what importing the faces loads, and the packages the wheel ships."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIMES = ("executorch", "tvm", "coremltools", "onnxruntime", "onnxscript", "jinja2", "plotly", "matplotlib",
+            "playwright")
+
+
+def test_import_contracts_hold():
+    """~1 s. In a child: lint_imports puts its cwd on sys.path and configures logging. Without
+    import-linter (the dev extra) this fails: a layering nobody checks is not a skip."""
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "No module named 'importlinter'" not in done.stderr, "pip install -e '.[dev]' (import-linter)"
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_the_faces_import_no_runtime():
+    """`kokoro-parity --help` and pytest's plugin load no runtime: a missing extra stays a skip."""
+    code = ("import sys, harness.cli, harness.plugin; "
+            f"print(sorted(m for m in {RUNTIMES!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml lists its packages (the data directories are mapped into the package), so a
+    new subpackage must be listed too, or the wheel would ship without it."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed, mapped = set(setuptools["packages"]), setuptools["package-dir"]
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "harness").rglob("__init__.py")}
+    assert found <= listed, f"not in [tool.setuptools] packages: {sorted(found - listed)}"
+    for name in listed:
+        where = REPO / mapped[name] if name in mapped else REPO.joinpath(*name.split("."))
+        assert where.is_dir(), f"{name}: no directory {where}"
+    assert (REPO / "cases" / "en_short.yaml").is_file() and not (REPO / "harness" / "data" / "cases").exists()
