@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backends.prebuilt import KINDS, ArtifactMismatch, Port, kind_of, run_artifact  # noqa: F401
+from .backends.prebuilt import KINDS, ArtifactMismatch, Port, PrebuiltBackend, kind_of, run_artifact  # noqa: F401
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
 
@@ -110,61 +110,38 @@ def map_inputs(ports: list[Port], inputs: dict, where: str = "") -> list[str]:
 # ---- one item -----------------------------------------------------------------------------
 
 def check_artifact(session, item: ArtifactItem):
-    """Judge `item.path` against the references of its step: a Record like any backend's, made by
-    the prebuilt backend through the cache and `Session.run_artifact` (child process)."""
-    from .backends.prebuilt import PrebuiltBackend, ports_from_job
+    """Judge `item.path` against the references of its step: a Record like any backend's, the file
+    made ready by the one prebuilt sequence (`Session.prebuilt`) and run in a child process."""
     from .patches import canonical
-    from .plumbing.jobs import cached_job, run_job as run_in_child
-    from .runner import Item, Resolved, failed
+    from .runner import Item, Resolved
     from .steps import get_step
     from .verdict import Verdict
 
     backend = PrebuiltBackend(item.path)
     rec = session.new_record(item, list(canonical(session.extra_patches)), backend)
     rec.audit = {"artifact": str(backend.path), "kind": backend.kind}
-    ok, why = backend.available()
-    if not ok:
-        rec.reason = why
+    ready = session.prebuilt(item.path, rec, session.report_dir / "runs" / item.id)
+    if ready is None:
         return session.finish(rec)
-    ok, why = backend.runnable()
-    if not ok:
-        rec.reason = why
-        return session.finish(rec)
-    run_dir = session.report_dir / "runs" / item.id
-    described = run_in_child("harness.backends.prebuilt:describe_job", dict(path=str(backend.path)),
-                             run_dir / "describe", session.limits.run_s)
-    if not described.ok:
-        failed(rec, described, Verdict.RUN_ERROR)
-        return session.finish(rec)
-    ports, outs = ports_from_job(described.value)
     traces = session.traces(item.case)
     step = get_step(item.step)
     try:
-        mapped = _map_for_mode(session, traces, item, ports)
+        mapped = _map_for_mode(session, traces, item, ready.inputs)
     except ArtifactMismatch as e:
         rec.verdict, rec.reason = Verdict.RUN_ERROR, f"artifact does not fit step {item.step!r}: {e}"
         return session.finish(rec)
     if mapped is None:
         other = "static" if item.mode == "dynamic" else "dynamic"
-        rec.reason = f"the artifact's input shapes fit the {other} mode, not {item.mode}"
+        rec.verdict, rec.reason = Verdict.SKIPPED, f"the artifact's input shapes fit the {other} mode, not {item.mode}"
         return session.finish(rec)
-    if outs is not None and len(outs) != len(step.output_names):
+    if ready.outputs is not None and len(ready.outputs) != len(step.output_names):
         rec.verdict = Verdict.RUN_ERROR
-        rec.reason = (f"artifact does not fit step {item.step!r}: {len(outs)} outputs, the step has "
+        rec.reason = (f"artifact does not fit step {item.step!r}: {len(ready.outputs)} outputs, the step has "
                       f"{step.output_names}")
         return session.finish(rec)
-    rec.audit["input_mapping"] = dict(zip([p.name or f"#{i}" for i, p in enumerate(ports)], mapped))
-    entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
-                               session.limits.compile_s,
-                               lambda tmp: dict(backend=backend.name, program_path=str(backend.path),
-                                                out_dir=str(tmp)), session.counts)
-    rec.cache["artifact"] = "hit" if result is None else "miss"
-    if result is not None and not result.ok:
-        failed(rec, result, Verdict.COMPILE_ERROR)
-        return session.finish(rec)
-    rec.artifact_bytes = _size(backend.path)
+    rec.audit["input_mapping"] = dict(zip([p.name or f"#{i}" for i, p in enumerate(ready.inputs)], mapped))
     inputs = traces.inputs(item.step, item.mode, "float32")
-    outputs = session.run_artifact(backend, entry / backend.artifact_name, [inputs[n] for n in mapped], rec, item.id)
+    outputs = session.run_artifact(backend, ready.path, [inputs[n] for n in mapped], rec, item.id)
     if outputs is None:
         return session.finish(rec)
     outputs = [o.float() if o.is_floating_point() else o for o in outputs]
@@ -185,10 +162,6 @@ def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> lis
         except ArtifactMismatch:
             raise mismatch from None
         return None
-
-
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def artifact_items(session, specs: list[str], modes) -> list[ArtifactItem]:

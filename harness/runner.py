@@ -17,7 +17,7 @@ from .backends import Backend, get_backend
 from .bisect import BISECTABLE, bisect_item
 from .options import MEMORY_SHARE, Limits  # noqa: F401 (Limits is the run configuration's)
 from .cases import Case, case_dirs, configured_dirs, load_cases
-from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
+from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors, size_of
 from .plumbing.jobs import cached_job
 from .record import Record, backend_label, failed, item_id, skip_compiled_not_run, versions
 from .reference import MODES
@@ -404,6 +404,61 @@ class Session:
         rec.audit.update(saved.get("audit") or {})
         return self._outputs(run_dir, onnx), saved
 
+    def prebuilt(self, path, rec: Record, run_dir: Path, tag: str = "", where: str = "") -> "Prebuilt | None":
+        """A user's file made ready to run, the same sequence for an `--artifact`, a port's stage
+        and a whole-model file: available, its declared ports read (once per content and session),
+        copied into the artifact cache (its "compile"), runnable here. None with the record's
+        verdict and reason set (prefixed by `where`) when one of them fails."""
+        from .backends.prebuilt import PrebuiltBackend, ports_from_job
+
+        backend = PrebuiltBackend(path)
+        ok, why = backend.available()
+        if not ok:
+            rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"
+            return None
+        declared = self.declared_ports(backend, run_dir)
+        if not declared.ok:
+            failed(rec, declared, Verdict.RUN_ERROR)
+            rec.reason = f"{where}cannot read {backend.path.name}: {rec.reason}"
+            return None
+        entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
+                                   self.limits.compile_s,
+                                   lambda tmp: dict(backend=backend.name, program_path=str(backend.path),
+                                                    out_dir=str(tmp)), self.counts)
+        rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
+        if result is not None and not result.ok:
+            failed(rec, result, Verdict.COMPILE_ERROR)
+            return None
+        rec.artifact_bytes = max(rec.artifact_bytes or 0, size_of(backend.path))
+        ok, why = backend.runnable()
+        if not ok:
+            rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"
+            return None
+        return Prebuilt(backend, *ports_from_job(declared.value), entry / backend.artifact_name)
+
+    def declared_ports(self, backend, run_dir: Path):
+        """An artifact's declared inputs and outputs (a job result), once per artifact content and
+        session (a stage's local and chained runs share it): an ONNX read here, a protobuf parse
+        that a port's validation already made (memoized); other formats in a child, since a
+        runtime's loader can crash on a corrupted file."""
+        from .backends.prebuilt import describe_as_json
+        from .plumbing.jobs import JobResult, run_job
+
+        key = backend.artifact_key()
+        if key in self.described_artifacts:
+            return self.described_artifacts[key]
+        if backend.kind == "onnx":
+            try:
+                result = JobResult("ok", value=describe_as_json(backend.path))
+            except Exception as e:  # noqa: BLE001 - the same error a child would report
+                result = JobResult("error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+        else:
+            result = run_job("harness.backends.prebuilt:describe_job", dict(path=str(backend.path)),
+                             run_dir / "describe", self.limits.run_s)
+        if result.ok:
+            self.described_artifacts[key] = result
+        return result
+
     def run_artifact(self, backend: Backend, artifact_path: Path, inputs: dict, rec: Record, run_name: str,
                      tag: str = "") -> list | None:
         """Run a compiled artifact on `inputs` in a child process. Its outputs are saved in the cache
@@ -496,6 +551,16 @@ class Session:
             wavs = {n: (refs.fp64[n], out) for n, out in zip(names, outputs) if n in audio_names}
             rec.audio.update(write_audio(self.report_dir, item.id, wavs, valid))
         return rec
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """A user's file ready to run (`Session.prebuilt`): its declared ports and its cached copy."""
+
+    backend: Backend
+    inputs: list  # harness.backends.prebuilt.Port, in the artifact's order
+    outputs: list | None  # None when the format does not declare them
+    path: Path  # the copy in the artifact cache, what runs
 
 
 def run_preload(backend: Backend) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..plumbing.files import size_of
 from ..plumbing.jobs import first_error_line
 from ..plumbing.targets import probe as probe_machine
 from .cost import CostLaw
@@ -366,10 +367,7 @@ def compile_job(backend: str, program_path: str, out_dir: str, audit_dir: str | 
         raise
     audit, audit_cached = audit_result()
     audit.update(compiled)
-    artifact = out / b.artifact_name
-    size = (sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) if artifact.is_dir()
-            else artifact.stat().st_size)
-    return {"audit": audit, "artifact_bytes": size, "audit_cached": audit_cached}
+    return {"audit": audit, "artifact_bytes": size_of(out / b.artifact_name), "audit_cached": audit_cached}
 
 
 def probe_job(backends: list[str]) -> dict[str, Any]:

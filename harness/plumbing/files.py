@@ -144,3 +144,9 @@ def sha256_file_cached(path: str | os.PathLike) -> str:
     if stamp not in _FILE_DIGESTS:
         _FILE_DIGESTS[stamp] = sha256_file(path)
     return _FILE_DIGESTS[stamp]
+
+
+def size_of(path: Path) -> int:
+    """Bytes of a file, or of every file below a directory (an .mlpackage, a TVM export)."""
+    path = Path(path)
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size

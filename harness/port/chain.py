@@ -585,9 +585,6 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     outputs as Kokoro tensors, or None with the record's verdict set. A bucketed stage runs the
     bucket that fits, its inputs padded to it and its outputs trimmed to `valid` (valid_lengths);
     `meta[role]` records the bucket (a size, or {unit: size} with buckets per unit)."""
-    from ..backends.prebuilt import PrebuiltBackend, ports_from_job
-    from ..plumbing.jobs import cached_job
-    from ..record import failed
     from ..verdict import Verdict
 
     chosen = {}
@@ -603,36 +600,19 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
                         valid or (valid_lengths(traces) if chosen else None))
     bucket = (chosen if isinstance(stage.buckets, dict) else chosen[stage.bucket_unit]) if chosen else None
     path = stage.file_for(port.root, bucket)
-    backend = PrebuiltBackend(path)
-    ok, why = backend.available()
-    if not ok:
-        rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r}: {why}"
+    ready = session.prebuilt(path, rec, session.report_dir / "runs" / item.id / f"{stage.name}-{role}", tag,
+                             where=f"stage {stage.name!r} ({path.name}): ")
+    if ready is None:
+        if rec.verdict is Verdict.RUN_ERROR:
+            rec.reason = f"port {port.source}, {rec.reason}"
         return None
-    declared = declared_ports(session, backend, session.report_dir / "runs" / item.id / f"{stage.name}-{role}")
-    if not declared.ok:
-        failed(rec, declared, Verdict.RUN_ERROR)
-        rec.reason = f"port {port.source}, stage {stage.name!r}: cannot read {path.name}: {rec.reason}"
-        return None
-    ins, outs = ports_from_job(declared.value)
-    entry, result = cached_job("artifacts", backend.artifact_key(), "harness.backends:compile_job",
-                               session.limits.compile_s,
-                               lambda tmp: dict(backend=backend.name, program_path=str(path), out_dir=str(tmp)),
-                               session.counts)
-    rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
-    if result is not None and not result.ok:
-        failed(rec, result, Verdict.COMPILE_ERROR)
-        return None
-    rec.artifact_bytes = max(rec.artifact_bytes or 0, _size(path))
-    runnable, why = backend.runnable()
-    if not runnable:
-        rec.verdict, rec.reason = Verdict.SKIPPED, f"stage {stage.name!r} ({path.name}): {why}"
-        return None
+    backend, ins, outs = ready.backend, ready.inputs, ready.outputs
     feed = []
     for i, p in enumerate(ins):
         key = p.name if p.name is not None else f"#{i}"
         ref = stage.inputs.get(key) or list(stage.inputs.values())[i]
         feed.append(to_artifact(values[ref.tensor], p, ref.dtype))
-    out = session.run_artifact(backend, entry / backend.artifact_name, feed, rec, f"{item.id}/{stage.name}-{role}", tag)
+    out = session.run_artifact(backend, ready.path, feed, rec, f"{item.id}/{stage.name}-{role}", tag)
     if out is None:
         rec.reason = f"port {port.source}, stage {stage.name!r} ({path.name}): {rec.reason}"
         return None
@@ -655,31 +635,6 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     return result_values
 
 
-def declared_ports(session, backend, run_dir: Path):
-    """An artifact's declared inputs and outputs (a job result), once per artifact content and
-    session (a stage's local and chained runs share it): an ONNX read here, a protobuf parse that
-    the port's validation already made (memoized); other formats in a child, since a runtime's
-    loader can crash on a corrupted file."""
-    from ..backends.prebuilt import describe_as_json
-    from ..plumbing.jobs import JobResult, run_job
-
-    key = backend.artifact_key()
-    described = session.described_artifacts  # artifact key -> its ok result
-    if key in described:
-        return described[key]
-    if backend.kind == "onnx":
-        try:
-            result = JobResult("ok", value=describe_as_json(backend.path))
-        except Exception as e:  # noqa: BLE001 - the same error a child would report
-            result = JobResult("error", error=f"{type(e).__name__}: {e}".splitlines()[0])
-    else:
-        result = run_job("harness.backends.prebuilt:describe_job", dict(path=str(backend.path)),
-                         run_dir / "describe", session.limits.run_s)
-    if result.ok:
-        described[key] = result
-    return result
-
-
 def run_step(session, stage: StageSpec, values: dict, rec, item, role: str, tag: str, steps: HarnessSteps,
              valid: dict[str, int] | None):
     """A `step:` stage: the harness step exported, compiled (both cached) and run on the item's
@@ -698,10 +653,6 @@ def run_step(session, stage: StageSpec, values: dict, rec, item, role: str, tag:
         tensor = stage.outputs[name].tensor
         result[tensor] = trim(tensor, value, valid) if valid is not None else value
     return result
-
-
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 # ---- judging --------------------------------------------------------------------------------------
