@@ -374,7 +374,6 @@ class SearchResult:
 
 def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_rounds: int = 8, emulate: bool = True,
            start: Iterable[str] = (), log: Callable[[str], None] = lambda s: None) -> SearchResult:
-    # ~120 lines, not split: one greedy loop whose rounds share the measured errors and the kept set
     """The smallest set of modules to keep in float32 so that every target is shippable: the audit
     ranks the candidates (module alone in float16, local error), a greedy pass adds the candidate of
     most measured benefit to the *cheapest* case not yet shippable (top_k single modules tried per
@@ -382,117 +381,148 @@ def search(targets: list[Target], tol, depth: int = 5, top_k: int = 4, max_round
     kept modules that runs code of its own), then a pruning pass drops every module the set no
     longer needs. Cases are evaluated cheapest first and a longer one only once the shorter ones are
     shippable: what fixes 3 s of audio mostly fixes 27 s, at a fifth of the cost of trying it there.
-    `start`: a set to search on from (a porter's current set), instead of nothing.
+    `start`: a set to search on from (a porter's current set), instead of nothing."""
+    return _Search(targets, tol, depth, top_k, emulate, log).run(start, max_rounds)
 
-    Longer than 80 lines on purpose: audit, greedy rounds and pruning share `keep`, `current` and
-    the per-step rankings, and read as one algorithm top to bottom; split, they would pass all
-    of that state back and forth."""
-    began = time.perf_counter()
-    step = targets[0].step
 
-    def judge(i: int, keep) -> Evaluation:
-        e = evaluate(targets[i], keep, tol, emulate)
-        log(f"  {e.case}: keep {e.keep or '-'}: {'SHIPPABLE' if e.shippable else 'not shippable'} "
-            f"({e.why}) [{e.seconds} s]")
+class _Search:
+    """One search's shared state (the kept set, each case's current evaluation, the rankings), a
+    method per phase: audit, greedy rounds, pruning."""
+
+    def __init__(self, targets, tol, depth, top_k, emulate, log):
+        self.targets, self.tol, self.depth, self.top_k, self.emulate, self.log = targets, tol, depth, top_k, emulate, log
+        self.began = time.perf_counter()
+        self.root = targets[0].step.module_path
+        self.rounds: list[dict] = []
+        self.stuck: set[int] = set()  # cases no candidate of their step helps: the search goes on with the others
+
+    def judge(self, i: int, keep) -> Evaluation:
+        e = evaluate(self.targets[i], keep, self.tol, self.emulate)
+        self.log(f"  {e.case}: keep {e.keep or '-'}: {'SHIPPABLE' if e.shippable else 'not shippable'} "
+                 f"({e.why}) [{e.seconds} s]")
         return e
 
-    log(f"float16 everywhere, {len(targets)} case(s):")
-    before = [judge(i, []) for i in range(len(targets))]
-    by_cost = sorted(range(len(targets)), key=lambda i: before[i].seconds)  # cheapest first
-    smallest = smallest_per_step(targets)
-    audits: dict[str, list[dict]] = {}  # per step (two for e2e): a case is helped only by modules its step runs
-    ranked: dict[str, list[str]] = {}
-    for small in smallest:
-        log(f"audit: each module (<= {depth} levels) alone in float16 on its float32 inputs ({small.case}, the "
-            f"smallest)")
-        audits[small.step.name] = module_audit(small.module, small.inputs, depth, emulate=emulate)
-        ranked[small.step.name] = candidates(audits[small.step.name], small.step.module_path)
-        log("  candidates: " + ", ".join(ranked[small.step.name][:top_k * 3]))
-    audit = sorted((r for rows in audits.values() for r in rows), key=_audit_order)
-    tree = {t.step.name: _children(t.module) for t in smallest}
-    root = step.module_path
-    keep: list[str] = _normalize(start)
-    current: list[Evaluation | None] = list(before) if not keep else [None] * len(targets)  # None: not yet judged
-    rounds = []
-    stuck: set[int] = set()  # cases no candidate of their step helps: the search goes on with the others
-    while sum(1 for r in rounds if r.get("kept")) < max_rounds:
-        work = None  # the cheapest case not shippable with `keep` (judged lazily, cheapest first)
-        for i in by_cost:
-            if current[i] is None:
-                current[i] = judge(i, keep)
-            if not current[i].shippable and i not in stuck:
-                work = i
+    def run(self, start, max_rounds: int) -> SearchResult:
+        targets = self.targets
+        self.log(f"float16 everywhere, {len(targets)} case(s):")
+        before = [self.judge(i, []) for i in range(len(targets))]
+        self.by_cost = sorted(range(len(targets)), key=lambda i: before[i].seconds)  # cheapest first
+        self.audit_modules()
+        self.keep: list[str] = _normalize(start)
+        self.current: list[Evaluation | None] = list(before) if not self.keep else [None] * len(targets)
+        while sum(1 for r in self.rounds if r.get("kept")) < max_rounds:
+            work = self.next_case()
+            if work is None:
                 break
-        if work is None:
-            break
-        in_step = audits[targets[work].step.name]
-        # the modules that feed a kept one first: an island's input arrives rounded to float16 otherwise
-        # (SineGen integrates its F0: a float16 F0 is a frequency error that the phase accumulates)
+            self.round(work)
+        self.current = [e if e is not None else self.judge(i, self.keep) for i, e in enumerate(self.current)]
+        self.prune()
+        audit = sorted((r for rows in self.audits.values() for r in rows), key=_audit_order)
+        result = SearchResult(step_label(targets), [t.case for t in targets], self.keep,
+                              all(e.shippable for e in self.current), before, self.current, audit, self.rounds,
+                              emulate=self.emulate)
+        result.share = share_of(self.smallest, self.keep)
+        result.seconds = round(time.perf_counter() - self.began, 1)
+        return result
+
+    def audit_modules(self) -> None:
+        """Per step (two for e2e): each module alone in float16, ranked; a case is helped only by
+        modules its step runs."""
+        self.smallest = smallest_per_step(self.targets)
+        self.audits: dict[str, list[dict]] = {}
+        self.ranked: dict[str, list[str]] = {}
+        for small in self.smallest:
+            self.log(f"audit: each module (<= {self.depth} levels) alone in float16 on its float32 inputs "
+                     f"({small.case}, the smallest)")
+            self.audits[small.step.name] = module_audit(small.module, small.inputs, self.depth, emulate=self.emulate)
+            self.ranked[small.step.name] = candidates(self.audits[small.step.name], small.step.module_path)
+            self.log("  candidates: " + ", ".join(self.ranked[small.step.name][:self.top_k * 3]))
+        self.tree = {t.step.name: _children(t.module) for t in self.smallest}
+
+    def next_case(self) -> int | None:
+        """The cheapest case not shippable with the kept set (judged lazily, cheapest first)."""
+        for i in self.by_cost:
+            if self.current[i] is None:
+                self.current[i] = self.judge(i, self.keep)
+            if not self.current[i].shippable and i not in self.stuck:
+                return i
+        return None
+
+    def options(self, work: int) -> list[tuple[str, ...]]:
+        """What a round tries on a case: single modules (those feeding a kept one first: an island's
+        input arrives rounded to float16 otherwise; SineGen integrates its F0, so a float16 F0 is a
+        frequency error the phase accumulates), the kept modules' whole upstream chain, their
+        innermost enclosing module, and for a chained synthesizer the duration stage's best."""
+        keep, root, target = self.keep, self.root, self.targets[work]
+        in_step = self.audits[target.step.name]
         by_module = {r["module"]: r for r in in_step}
         feeding = [p for k in keep for p in by_module.get(k, {}).get("producers", [])
                    if not under(p, keep) and not any(k.startswith(p + ".") for k in keep) and p != root
                    and p in by_module]
-        singles = list(dict.fromkeys([*feeding, *(c for c in ranked[targets[work].step.name]
-                                                  if not under(c, keep))]))[:top_k]
-        # an option is a set of modules: one module, or the kept modules' whole upstream chain
+        singles = list(dict.fromkeys([*feeding, *(c for c in self.ranked[target.step.name]
+                                                  if not under(c, keep))]))[:self.top_k]
         options = [(c,) for c in singles]
         chain = tuple(upstream(keep, in_step, root))
         if len(chain) > 1 and chain not in options:
             options.append(chain)
-        options += [(p,) for p in enclosing(keep, tree[targets[work].step.name], root) if (p,) not in options][:1]
-        up = targets[work].upstream
+        options += [(p,) for p in enclosing(keep, self.tree[target.step.name], root) if (p,) not in options][:1]
+        up = target.upstream
         if up is not None:  # a chained synthesizer: `d`'s own error is the duration stage's to fix,
             # by its best candidate or the whole KModel block holding it (ALBERT's float16 error
             # reaches `d` through every layer; no single one of them fixes it)
-            best_up = next((c for c in ranked.get(up.step.name, []) if not under(c, keep) and (c,) not in options),
-                           None)
+            best_up = next((c for c in self.ranked.get(up.step.name, []) if not under(c, keep)
+                            and (c,) not in options), None)
             if best_up is not None:
                 options += [o for o in dict.fromkeys([(best_up,), (best_up.split(".")[0],)])
                             if o not in options and not under(o[0], keep)]
+        return options
+
+    def round(self, work: int) -> None:
+        """Try the options on the case; keep the best one if it lowers the case's distance."""
+        target, current = self.targets[work], self.current[work]
+        options = self.options(work)
         if not options:
-            log(f"  no candidate left for {targets[work].case}")
-            stuck.add(work)
-            continue
+            self.log(f"  no candidate left for {target.case}")
+            self.stuck.add(work)
+            return
         label = lambda o: o[0] if len(o) == 1 else "upstream chain [" + ", ".join(o) + "]"  # noqa: E731
-        log(f"round {len(rounds) + 1}: on {targets[work].case} (distance {current[work].badness:.3f}), trying "
-            + "; ".join(label(o) for o in options))
+        self.log(f"round {len(self.rounds) + 1}: on {target.case} (distance {current.badness:.3f}), trying "
+                 + "; ".join(label(o) for o in options))
         tried = {}
         for o in options:
-            e = evaluate(targets[work], _normalize([*keep, *o]), tol, emulate)
+            e = evaluate(target, _normalize([*self.keep, *o]), self.tol, self.emulate)
             tried[o] = e
-            log(f"  + {label(o)}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
+            self.log(f"  + {label(o)}: distance {e.badness:.3f} ({e.why}) [{e.seconds} s]")
             if e.badness == 0:  # shippable on this case: no other option can do better
                 break
         best = min(tried, key=lambda o: (tried[o].badness, len(o)))
-        rounds.append({"case": targets[work].case, "tried": {",".join(o): e.badness for o, e in tried.items()},
-                       "chosen": ",".join(best)})
-        if tried[best].badness >= current[work].badness - 1e-6:
-            log(f"  no candidate lowers {targets[work].case}'s distance: on with the other cases")
-            stuck.add(work)
-            continue
-        keep = _normalize([*keep, *best])
-        rounds[-1]["kept"] = True
-        ranked = {name: [c for c in rows if not under(c, keep)] for name, rows in ranked.items()}
-        log(f"  keep {label(best)}")
-        current = [None] * len(targets)
-        current[work] = tried[best]
-    current = [e if e is not None else judge(i, keep) for i, e in enumerate(current)]
-    if all(e.shippable for e in current) and len(keep) > 1:
-        log("pruning:")
-        for k in list(keep):
-            trial, evs = [x for x in keep if x != k], {}
-            for i in by_cost:  # cheapest first: a failing trial stops early
-                evs[i] = judge(i, trial)
+        self.rounds.append({"case": target.case, "tried": {",".join(o): e.badness for o, e in tried.items()},
+                            "chosen": ",".join(best)})
+        if tried[best].badness >= current.badness - 1e-6:
+            self.log(f"  no candidate lowers {target.case}'s distance: on with the other cases")
+            self.stuck.add(work)
+            return
+        self.keep = _normalize([*self.keep, *best])
+        self.rounds[-1]["kept"] = True
+        self.ranked = {name: [c for c in rows if not under(c, self.keep)] for name, rows in self.ranked.items()}
+        self.log(f"  keep {label(best)}")
+        self.current = [None] * len(self.targets)
+        self.current[work] = tried[best]
+
+    def prune(self) -> None:
+        """Drop every kept module the set no longer needs (each tried cheapest case first)."""
+        if not (all(e.shippable for e in self.current) and len(self.keep) > 1):
+            return
+        self.log("pruning:")
+        for k in list(self.keep):
+            trial, evs = [x for x in self.keep if x != k], {}
+            for i in self.by_cost:  # cheapest first: a failing trial stops early
+                evs[i] = self.judge(i, trial)
                 if not evs[i].shippable:
                     break
-            if len(evs) == len(targets) and all(e.shippable for e in evs.values()):
-                keep, current = trial, [evs[i] for i in range(len(targets))]
-                log(f"  dropped {k}: not needed")
-    result = SearchResult(step_label(targets), [t.case for t in targets], keep, all(e.shippable for e in current),
-                          before, current, audit, rounds, emulate=emulate)
-    result.share = share_of(smallest, keep)
-    result.seconds = round(time.perf_counter() - began, 1)
-    return result
+            if len(evs) == len(self.targets) and all(e.shippable for e in evs.values()):
+                self.keep, self.current = trial, [evs[i] for i in range(len(self.targets))]
+                self.log(f"  dropped {k}: not needed")
 
 
 def verify(targets: list[Target], keep: Iterable[str], tol, emulate: bool = True,
