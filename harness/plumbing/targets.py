@@ -509,9 +509,10 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
 
     # ~90 lines: the host half of one job's stream protocol; `serve` below is the target's half
     def _serve(self, script: str, run_id: str, job: dict, ship: dict[str, tuple], inputs: dict[str, Path],
-               timeout: float, workdir: Path, outputs: dict) -> JobResult:  # ~90 lines: the host half, beside serve()
+               timeout: float, workdir: Path, outputs: dict) -> JobResult:
         """One `ssh`: a tar of the job (remote.json, inputs, missing artifacts) on its stdin, which then
-        stays open (EOF there kills the job), and a tar of the job's result on its stdout."""
+        stays open (EOF there kills the job), and a tar of the job's result on its stdout. The
+        target's half of the protocol is `serve`."""
         grace = 30 + self.spec.connect_timeout_s
         sent = {"bytes": 0}
         with tempfile.TemporaryFile() as err:
@@ -523,44 +524,13 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
                 expired.set()
                 proc.kill()  # the remote side reads EOF on its stdin and kills the job's process group
 
-            def send() -> None:
-                class Counting(io.RawIOBase):
-                    def writable(self):
-                        return True
-
-                    def write(self, b):
-                        proc.stdin.write(b)
-                        sent["bytes"] += len(b)
-                        return len(b)
-
-                try:
-                    with tarfile.open(fileobj=Counting(), mode="w|") as tar:
-                        data = json.dumps(job).encode()
-                        info = tarfile.TarInfo("remote.json")
-                        info.size = len(data)
-                        tar.addfile(info, io.BytesIO(data))
-                        for name, local in inputs.items():
-                            tar.add(local, name)
-                        for key, (local, name) in ship.items():
-                            tar.add(local, f"cache/{key}/{name}".rstrip("/"))
-                    proc.stdin.flush()
-                except (OSError, ValueError):
-                    pass  # the connection went away: the answer (or its absence) says why
-
             timer = threading.Timer(timeout + grace, expire)
             timer.start()
-            writer = threading.Thread(target=send, daemon=True)
+            writer = threading.Thread(target=_send_job, args=(proc, job, inputs, ship, sent), daemon=True)
             upload_start = time.monotonic()
             writer.start()
-            got: dict[str, bytes] = {}
-            broken = ""
             try:
-                with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-                    for m in tar:
-                        if m.isfile():
-                            got[m.name] = tar.extractfile(m).read()
-            except (tarfile.TarError, OSError, EOFError) as e:
-                broken = first_error_line(e)
+                got, broken = _read_answer(proc)
             finally:
                 timer.cancel()
                 writer.join(timeout=5)
@@ -574,6 +544,15 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
             self._cleanup(run_id)
             return JobResult("timeout", error=f"no result after {timeout:.0f} s (+{grace:.0f} s) from target "
                                               f"{self.name!r}: killed", seconds=timeout + grace)
+        result = self._result_of(got, code, stderr, broken, workdir, outputs)
+        if result.ok or not result.extra.get("missing"):
+            result.extra.update(upload_bytes=sent["bytes"], ssh_s=round(time.monotonic() - upload_start, 3))
+        return result
+
+    def _result_of(self, got: dict[str, bytes], code: int, stderr: str, broken: str, workdir: Path,
+                   outputs: dict) -> JobResult:
+        """The job's result from the answer's files (its outputs written where the job wanted them),
+        or the transport's failure as an exception that says whose fault it is."""
         if code == TRANSPORT_EXIT:
             raise TransportError(_transport_reason(stderr))
         if "jobresult.json" not in got:
@@ -594,9 +573,7 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
                 atomic_write_bytes(outputs[top] / rest, data)
             else:
                 atomic_write_bytes(outputs.get(name) or workdir / Path(name).name, data)
-        result = JobResult(**d)
-        result.extra.update(upload_bytes=sent["bytes"], ssh_s=round(time.monotonic() - upload_start, 3))  # the job's ssh, wall
-        return result
+        return JobResult(**d)
 
     def _cleanup(self, run_id: str) -> None:
         """After a host-side time limit: kill what the run left (pids it wrote) and remove its dir."""
@@ -684,23 +661,90 @@ def _prune_remote(cache: Path, keep: set[str], max_bytes: int, recent_s: float =
         total -= sizes[d]
 
 
-def serve(run_id: str) -> int:  # ~90 lines: the target half of the protocol, read beside SshTarget._serve
+def _send_job(proc, job: dict, inputs: dict[str, Path], ship: dict[str, tuple], sent: dict) -> None:
+    """The job's tar onto the ssh's stdin (counting the bytes sent); a connection that went away is
+    said by the answer, or its absence."""
+    class Counting(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            proc.stdin.write(b)
+            sent["bytes"] += len(b)
+            return len(b)
+
+    try:
+        with tarfile.open(fileobj=Counting(), mode="w|") as tar:
+            data = json.dumps(job).encode()
+            info = tarfile.TarInfo("remote.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            for name, local in inputs.items():
+                tar.add(local, name)
+            for key, (local, name) in ship.items():
+                tar.add(local, f"cache/{key}/{name}".rstrip("/"))
+        proc.stdin.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _read_answer(proc) -> tuple[dict[str, bytes], str]:
+    """The files of the answer's tar, and why it broke off ("" when it did not)."""
+    got: dict[str, bytes] = {}
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for m in tar:
+                if m.isfile():
+                    got[m.name] = tar.extractfile(m).read()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        return got, first_error_line(e)
+    return got, ""
+
+
+def serve(run_id: str) -> int:
     """`python -m harness.plumbing.targets serve RUN_ID`, in the target's work dir: read the job's
     tar from stdin (remote.json, inputs, artifacts missing from the cache), run it with
     `jobs.run_job`, write a tar of its result, log and outputs to stdout, remove the run dir. EOF on
-    stdin afterwards (the host went away or gave up) kills the job's process group."""
-    import types
-
-    from . import jobs
-
+    stdin afterwards (the host went away or gave up) kills the job's process group. The host's half
+    of the protocol is SshTarget._serve."""
     root = Path.cwd()
     run = root / "runs" / run_id
     run.mkdir(parents=True)
     cache = root / "cache"
+    _unpack_job(run, cache, run_id)
+    spec = json.loads((run / "remote.json").read_text())
+    (run / "serve.pid").write_text(str(os.getpid()))
+    try:
+        missing = [k for k in spec["need"] if not (cache / k / ".complete").exists()]
+        if missing:
+            _answer(run, {"missing": missing})
+            return 0
+        for k in spec["keep"]:
+            with _suppress():
+                (cache / k / ".complete").touch()
+        _record_children_and_watch_host(run)
+        with _suppress():
+            _prune_remote(cache, set(spec["keep"]), spec["cache_max_bytes"])
+        for d in spec.get("dirs", []):
+            (run / d).mkdir(parents=True, exist_ok=True)
+        kwargs = {k: v.replace("@RUN@", str(run)).replace("@CACHE@", str(cache)) if isinstance(v, str) else v
+                  for k, v in spec["kwargs"].items()}
+        result = run_job(spec["function"], kwargs, run / "job", spec["timeout"])
+        if platform.system() == "Darwin":  # ru_maxrss is in bytes there, not KiB; /proc does not exist
+            result.peak_rss_mb /= 1024
+        _answer(run, asdict(result), spec["outputs"])
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    return 0
+
+
+def _unpack_job(run: Path, cache: Path, run_id: str) -> None:
+    """The job's tar from stdin into the run dir; the artifacts it ships (cache/<key>/...) into
+    <key>.part-<run>, renamed into the cache unless another run completed that key first."""
     part = f".part-{run_id}"
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
         for m in tar:
-            if m.name.startswith("cache/"):  # cache/<key>/<name>: into <key>.part-<run>, renamed below
+            if m.name.startswith("cache/"):
                 key, _, rest = m.name[len("cache/"):].partition("/")
                 m.name = f"{key}{part}/{rest}".rstrip("/")
                 tar.extract(m, cache, filter="data")
@@ -714,65 +758,52 @@ def serve(run_id: str) -> int:  # ~90 lines: the target half of the protocol, re
             shutil.rmtree(final, ignore_errors=True)
             d.rename(final)
             (final / ".complete").touch()
-    spec = json.loads((run / "remote.json").read_text())
-    (run / "serve.pid").write_text(str(os.getpid()))
 
-    def answer(result: dict, names=()) -> None:
-        with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
-            for name in names:
-                if (run / name).exists():  # a file, or an output_dir with what the job put in it
-                    tar.add(run / name, name)
-            if (run / "job" / "log.txt").is_file():
-                tar.add(run / "job" / "log.txt", "log.txt")
-            data = json.dumps(result, default=str).encode()
-            info = tarfile.TarInfo("jobresult.json")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        sys.stdout.buffer.flush()
 
-    try:
-        missing = [k for k in spec["need"] if not (cache / k / ".complete").exists()]
-        if missing:
-            answer({"missing": missing})
-            return 0
-        for k in spec["keep"]:
+def _answer(run: Path, result: dict, names=()) -> None:
+    """The result as a tar on stdout: the named outputs (files, or an output dir), the job's log,
+    jobresult.json."""
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+        for name in names:
+            if (run / name).exists():
+                tar.add(run / name, name)
+        if (run / "job" / "log.txt").is_file():
+            tar.add(run / "job" / "log.txt", "log.txt")
+        data = json.dumps(result, default=str).encode()
+        info = tarfile.TarInfo("jobresult.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    sys.stdout.buffer.flush()
+
+
+def _record_children_and_watch_host(run: Path) -> None:
+    """The job's child process records its pid (its own process group, a new session); a thread
+    reads stdin to its end (the host went away or gave up) and then kills that group."""
+    import types
+
+    from . import jobs
+
+    class Recorded(subprocess.Popen):
+        last = None
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            (run / "child.pid").write_text(str(self.pid))
+            Recorded.last = self
+
+    jobs.subprocess = types.SimpleNamespace(PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT, Popen=Recorded)
+
+    def watch_stdin() -> None:
+        while sys.stdin.buffer.read(65536):
+            pass
+        child = Recorded.last
+        if child is not None and child.poll() is None:
             with _suppress():
-                (cache / k / ".complete").touch()
-
-        class Recorded(subprocess.Popen):  # the job's child: its pid is its process group (new session)
-            last = None
-
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                (run / "child.pid").write_text(str(self.pid))
-                Recorded.last = self
-
-        jobs.subprocess = types.SimpleNamespace(PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT, Popen=Recorded)
-
-        def watch_stdin() -> None:
-            while sys.stdin.buffer.read(65536):
-                pass
-            child = Recorded.last
-            if child is not None and child.poll() is None:
-                with _suppress():
-                    os.killpg(child.pid, signal.SIGKILL)
-            shutil.rmtree(run, ignore_errors=True)
-            os._exit(3)
-
-        threading.Thread(target=watch_stdin, daemon=True).start()
-        with _suppress():
-            _prune_remote(cache, set(spec["keep"]), spec["cache_max_bytes"])
-        for d in spec.get("dirs", []):
-            (run / d).mkdir(parents=True, exist_ok=True)
-        kwargs = {k: v.replace("@RUN@", str(run)).replace("@CACHE@", str(cache)) if isinstance(v, str) else v
-                  for k, v in spec["kwargs"].items()}
-        result = run_job(spec["function"], kwargs, run / "job", spec["timeout"])
-        if platform.system() == "Darwin":  # ru_maxrss is in bytes there, not KiB; /proc does not exist
-            result.peak_rss_mb /= 1024
-        answer(asdict(result), spec["outputs"])
-    finally:
+                os.killpg(child.pid, signal.SIGKILL)
         shutil.rmtree(run, ignore_errors=True)
-    return 0
+        os._exit(3)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
 
 
 class _suppress:
