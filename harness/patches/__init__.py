@@ -27,6 +27,7 @@ class Patch:
     why: str
     affects: tuple[str, ...] | None = None  # the steps whose function it can change (None: any)
     sources: tuple[str, ...] = ()  # files under harness/ that decide what it computes
+    same_function: bool = False  # the same function written with other ops: in float64 it changes only rounding
 
 
 PATCHES: dict[str, Patch] = {}
@@ -35,13 +36,16 @@ VOCODER_STEPS = ("decoder", "generator", "synthesizer")  # the e2e stages contai
 
 
 def patch(name: str, preserves_semantics: bool, why: str, affects: tuple[str, ...] | None = None,
-          uses: tuple[str, ...] = ()):
-    """Register a patch. `uses`: the modules of harness/patches/ it imports, besides its own file."""
+          uses: tuple[str, ...] = (), same_function: bool = False):
+    """Register a patch. `uses`: the modules of harness/patches/ it imports, besides its own file.
+    `same_function`: it rewrites ops, not what they compute (not so a patch that changes padding,
+    packing or lengths: `preserves_semantics` is relative to Kokoro, this to the unpatched model),
+    so a float64 reference need not carry it (harness.reference.variant_output)."""
     def register(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
         own = fn.__module__.split(".", 1)[1].replace(".", "/")  # harness.patches.frontends -> patches/frontends
         own = own + ("/__init__.py" if own == "patches" else ".py")
         sources = tuple(dict.fromkeys((own, *(f"patches/{u}.py" for u in uses))))
-        PATCHES[name] = Patch(name, preserves_semantics, fn, why, affects, sources)
+        PATCHES[name] = Patch(name, preserves_semantics, fn, why, affects, sources, same_function)
         return fn
 
     return register
@@ -320,7 +324,7 @@ def _length_aware_norm(model: nn.Module) -> None:
 @patch("scan_lstm", True, "the LSTM cell once, as the body of torch's scan over the time steps: the graph, "
        "its lowering time and memory do not grow with T as unrolled_lstm's do; keeps whatever packing "
        "semantics the other patches chose (registered last: with unrolled_lstm also applied, scan wins)",
-       affects=LSTM_STEPS, uses=("length_aware_lstm", "frontends"))
+       affects=LSTM_STEPS, uses=("length_aware_lstm", "frontends"), same_function=True)
 def _scan_lstm(model: nn.Module) -> None:
     from .frontends import run_full_length
 
@@ -334,7 +338,7 @@ def _scan_lstm(model: nn.Module) -> None:
 
 @patch("stft_islands", True, "the vocoder's STFT and iSTFT as submodules (stft.analysis, stft.synthesis), so that "
        "a float16 port can keep them in float32 (kokoro-parity precision)", affects=VOCODER_STEPS,
-       uses=("stft_islands",))
+       uses=("stft_islands",), same_function=True)
 def _stft_islands(model: nn.Module) -> None:
     from .stft_islands import apply_stft_islands
 

@@ -40,7 +40,7 @@ def _custom_stft_transform(self, waveform: torch.Tensor):
 
 @patch("stft_phase_where", True, "CustomSTFT's `phase[mask] = pi` is a boolean index_put that TVM "
        "Relax rejects (index tensor dtype bool), and its `&` an op coremltools cannot lower; "
-       "torch.where and logical_and compute the same")
+       "torch.where and logical_and compute the same", same_function=True)
 def _stft_phase_where(model: nn.Module) -> None:
     from kokoro.custom_stft import CustomSTFT
 
@@ -61,7 +61,7 @@ def _adain_resblk_forward(self, x, s):
 
 
 @patch("rsqrt_float_const", True, "the decoder's `rsqrt(torch.tensor(2))` is an int constant that "
-       "coremltools does not promote (rsqrt of int32 fails); rsqrt(tensor(2.0)) is the same value")
+       "coremltools does not promote (rsqrt of int32 fails); rsqrt(tensor(2.0)) is the same value", same_function=True)
 def _rsqrt_float_const(model: nn.Module) -> None:
     from kokoro.istftnet import AdainResBlk1d
 
@@ -84,7 +84,7 @@ def run_full_length(lstm: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> 
 @patch("unrolled_lstm", True, "coremltools has no MIL lowering for aten.lstm and TVM's ONNX frontend "
        "no LSTM converter; the same LSTM cell written out per time step (matmul, sigmoid, tanh) keeps "
        "whatever packing semantics the other patches chose", affects=LSTM_STEPS,
-       uses=("length_aware_lstm",))
+       uses=("length_aware_lstm",), same_function=True)
 def _unrolled_lstm(model: nn.Module) -> None:
     from . import run_length_aware, run_padded, set_lstm_strategy, swap_lstms
 
@@ -119,7 +119,7 @@ def _instance_norm_float64_stats(self, x: torch.Tensor) -> torch.Tensor:
 
 @patch("instance_norm_float64_stats", True, "ExecuTorch's portable InstanceNorm takes a one-pass float32 "
        "variance that goes negative (NaN) on long channels; float64 two-pass statistics compute the same",
-       affects=("f0n", "decoder", "generator", "synthesizer"))
+       affects=("f0n", "decoder", "generator", "synthesizer"), same_function=True)
 def _instance_norm_f64(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, nn.InstanceNorm1d) and not m.track_running_stats:

@@ -40,3 +40,30 @@ def test_capture_submodules_by_path(random_model):
     seen = capture_submodules(module, [torch.randn(1, 5, 768)])
     assert list(seen) == ["kmodel", "kmodel.bert_encoder"] or "kmodel.bert_encoder" in seen
     assert seen["kmodel.bert_encoder"].shape == (1, 5, 512)
+
+
+def test_float64_references_leave_out_patches_that_only_rewrite_ops(random_model, tmp_path, monkeypatch):
+    """A patch that writes the same function with other ops (`same_function`: the LSTM as a scan)
+    changes a float64 run by rounding only: the float64 reference of a patch set is that of its
+    function-changing patches alone (length_aware_lstm here), computed once for every set that
+    shares them, and a set of only such patches reads the trace's own float64 outputs. Float32
+    keeps every patch."""
+    from harness import reference
+    from harness.plumbing.cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    traces = compute_traces(random_model, CASE, steps=("bert", "bert_encoder", "duration_encoder"))
+    built = []  # the patch sets a reference run was built for
+    monkeypatch.setattr(reference, "apply_patches",
+                        lambda km, names, real=reference.apply_patches: built.append(tuple(names)) or real(km, names))
+    step, mode = "duration_encoder", "static"
+    own = reference.variant_output(random_model, CASE, traces, step, mode, ("scan_lstm",), "float64")
+    assert not built and own is not None
+    assert all(torch.equal(own[k], traces.outputs(step, mode, "float64")[k]) for k in own)
+    aware = reference.variant_output(random_model, CASE, traces, step, mode, ("length_aware_lstm",), "float64")
+    scanned = reference.variant_output(random_model, CASE, traces, step, mode, ("length_aware_lstm", "scan_lstm"),
+                                       "float64")
+    assert len(built) == 1 and all(torch.equal(aware[k], scanned[k]) for k in aware)  # one float64 run
+    assert not torch.equal(aware["d"], own["d"])  # length_aware_lstm changes the static function: its own run
+    reference.variant_output(random_model, CASE, traces, step, mode, ("scan_lstm",), "float32")
+    assert len(built) == 2 and "scan_lstm" in built[-1]  # float32 runs with every patch of the set
