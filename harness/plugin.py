@@ -88,20 +88,33 @@ PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file", "--p
 
 def _check_rootdir_kept(config: pytest.Config) -> None:
     """pytest chooses its rootdir and ini file before plugins register their options, so in
-    `--report-dir /tmp/x` it takes an existing /tmp/x for a test path: the project's pytest
-    configuration is lost and every test under the current directory gets collected. Refuse that
-    with the fix, rather than running the unit tests as parity items."""
-    args = list(config.invocation_params.args)
-    cwd = config.invocation_params.dir.resolve()
-    root = config.rootpath.resolve()
-    if cwd.is_relative_to(root):
+    `--report-dir /tmp/x` it takes an existing /tmp/x for a test path: the ini file is then looked
+    for from /tmp/x, the project's pytest configuration is lost and every test under the current
+    directory gets collected. Refuse that with the fix, rather than running the unit tests as
+    parity items. The test is on the ini file itself, not on where the rootdir landed: a checkout
+    and a report dir under one scratch directory share an ancestor that looks like a project."""
+    if config.option.inifilename:  # `-c FILE`: the user chose the configuration
         return
+    cwd = config.invocation_params.dir
+    expected = _ini_file_of(cwd)
+    if expected is None or (config.inipath is not None and config.inipath.resolve() == expected.resolve()):
+        return
+    args = list(config.invocation_params.args)
     for option, value in zip(args, args[1:]):
-        if option in PATH_OPTIONS and Path(value).exists() and Path(value).resolve().is_relative_to(root):
+        if option in PATH_OPTIONS and (cwd / value).exists():
             raise pytest.UsageError(
                 f"`{option} {value}`: pytest read the existing path {value} as a test path before "
-                f"kokoro-parity's options were known, and took {root} as its rootdir instead of this "
-                f"project's configuration. Write `{option}={value}`.")
+                f"kokoro-parity's options were known, and took {config.rootpath} as its rootdir instead of "
+                f"this project's configuration ({expected}). Write `{option}={value}`.")
+
+
+def _ini_file_of(directory: Path) -> Path | None:
+    """The file pytest takes its configuration from when run in `directory` without arguments
+    (its own lookup), or None when it would find none: then there is nothing to lose."""
+    from _pytest.config.findpaths import locate_config
+
+    found = locate_config(directory, [directory])
+    return found[1] if found[2] else None
 
 
 SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process

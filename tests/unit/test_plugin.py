@@ -74,3 +74,24 @@ def test_an_existing_report_dir_as_a_separate_argument_is_a_usage_error(tmp_path
                             "--case=en_short", f"--report-dir={tmp_path}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_pytest_env())
     assert fixed.returncode == 0 and "tests/unit" not in fixed.stdout and "tests/parity" in fixed.stdout
+
+
+def test_the_report_dir_check_holds_when_checkout_and_report_dir_share_a_scratch_dir(tmp_path):
+    """A project in tmp/proj and a report dir in tmp/reports: pytest's rootdir becomes tmp, which
+    holds the project's directory, yet the project's configuration is lost all the same."""
+    project, reports = tmp_path / "proj", tmp_path / "reports"
+    (project / "checks").mkdir(parents=True)
+    reports.mkdir()
+    (project / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["checks"]\n')
+    (project / "checks" / "test_a.py").write_text("def test_a():\n    pass\n")
+    (project / "test_stray.py").write_text("def test_stray():\n    pass\n")
+    env = child_pytest_env(PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--report-dir", str(reports)], cwd=project, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"Write `--report-dir={reports}`" in out.stderr and str(project / "pyproject.toml") in out.stderr
+    fixed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            f"--report-dir={reports}"], cwd=project, capture_output=True, text=True, timeout=600,
+                           env=env)
+    assert fixed.returncode == 0 and "checks/test_a.py" in fixed.stdout and "stray" not in fixed.stdout, fixed.stdout
