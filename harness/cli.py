@@ -168,7 +168,7 @@ def cmd_nightly(args) -> int:
     """The whole matrix (or the selected part) into one history entry, compared with the last one."""
     from .backends import backend_names, get_backend
     from .history import nightly
-    from .runner import Session
+    from .runner import Limits, Session
     from .verdict import Profile
 
     history_dir = args.history_dir or args.report_dir / "history"
@@ -180,7 +180,7 @@ def cmd_nightly(args) -> int:
         return _nightly_done(args, result, history_dir)
     session = Session(weights=args.weights, case_ids=args.case, report_dir=args.report_dir,
                       profile=Profile.load(args.profile), extra_patches=tuple(args.with_patch),
-                      target=args.target, targets_file=args.targets_file,
+                      target=args.target, targets_file=args.targets_file, limits=Limits.parse(args.time_limit, args.memory_limit),
                       reuse_runs=args.reuse_runs or args.reuse_only, reuse_only=args.reuse_only)
     session.target_for(args.target)
     backends = args.backend or [b for b in backend_names() if get_backend(b).available()[0]]

@@ -61,3 +61,25 @@ def test_table_joins_report_dirs_in_pipeline_and_registry_order(tmp_path, capsys
     assert "not run" in lines[2] and "en_short" not in "\n".join(lines)
     assert main(["table", "--report-dir", str(tmp_path / "a"), "--backend", "tvm"]) == 0
     assert "xnnpack" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["run", "nightly"])
+def test_run_and_nightly_pass_time_and_memory_limits_to_the_session(command, tmp_path, monkeypatch):
+    """`nightly` takes `run`'s options: its limits must reach the Session as `run`'s do."""
+    from harness import runner
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def session(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(runner, "Session", session)
+    with pytest.raises(Stop):
+        main([command, "--backend=eager", "--weights=random:0", f"--report-dir={tmp_path}",
+              "--time-limit", "compile=12", "--time-limit", "run=34", "--memory-limit", "5.5"])
+    limits = seen["limits"]
+    assert (limits.export_s, limits.compile_s, limits.run_s, limits.memory_gb()) == (900, 12, 34, 5.5)
