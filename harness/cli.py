@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .quiet import quiet
+
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", help="backend (repeatable; default: every installed one)")
@@ -414,6 +416,7 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:  # long: the whole argparse table, one subcommand after another
     # Long on purpose: one flat list of subcommands and their options, read top to bottom like
     # `--help` prints them; split up, a reader would jump between functions to see one command.
+    quiet()  # torch's warnings about Kokoro's modules are not the user's business
     parser = argparse.ArgumentParser(prog="kokoro-parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run (case, step, backend, mode) items and print the summary")

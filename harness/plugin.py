@@ -6,11 +6,11 @@ Registered through the `pytest11` entry point. It is the only module that import
 from __future__ import annotations
 
 import contextlib
-import logging
 from pathlib import Path
 
 import pytest
 
+from .quiet import quiet_logs
 from .record import Record
 from .verdict import Verdict
 
@@ -120,22 +120,6 @@ def _ini_file_of(directory: Path) -> Path | None:
 SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process
 RECORDS_KEY = pytest.StashKey()  # the records this process made
 RAN_KEY = pytest.StashKey()  # ids of the parity items that ran (controller and workers)
-
-# Loggers whose records say nothing to a user of this tool but fill every failing item's report:
-# torch's structured-trace channel (empty DEBUG lines), torchao's missing optional kernels, and
-# torch's pytree deprecation notices (both at import of executorch).
-QUIET_LOGGERS = {"torch.__trace": None, "torchao": logging.ERROR, "torchao.kernel.intmm": logging.ERROR,
-                 "torch.utils._pytree": logging.ERROR}
-
-
-def quiet_logs() -> None:
-    for name, level in QUIET_LOGGERS.items():
-        logger = logging.getLogger(name)
-        if level is None:
-            logger.propagate = False
-        else:
-            logger.setLevel(level)
-
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:

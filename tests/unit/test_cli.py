@@ -83,3 +83,23 @@ def test_run_and_nightly_pass_time_and_memory_limits_to_the_session(command, tmp
               "--time-limit", "compile=12", "--time-limit", "run=34", "--memory-limit", "5.5"])
     limits = seen["limits"]
     assert (limits.export_s, limits.compile_s, limits.run_s, limits.memory_gb()) == (900, 12, 34, 5.5)
+
+
+def test_a_command_that_builds_the_model_prints_no_third_party_warning(tmp_path):
+    """torch warns about Kokoro's weight_norm and LSTM dropout whenever a KModel is built: the CLI
+    keeps that out of its output, unless the user asks for warnings (`python -W`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.unit.conftest import child_pytest_env
+
+    root = Path(__file__).resolve().parents[2]
+    env = child_pytest_env(PYTHONPATH=str(root), KOKORO_PARITY_CACHE=str(tmp_path / "cache"))
+    cmd = ["-m", "harness.cli", "weights", "--weights", "random:0"]
+    out = subprocess.run([sys.executable, *cmd], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "random-seed0" in out.stdout, out.stderr[-2000:]
+    assert not [line for line in out.stderr.splitlines() if "Warning" in line or "Failed to load" in line], out.stderr
+    asked = subprocess.run([sys.executable, "-W", "default", *cmd], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert "FutureWarning: `torch.nn.utils.weight_norm` is deprecated" in asked.stderr, asked.stderr[-2000:]
