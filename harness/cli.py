@@ -40,7 +40,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args) -> int:
     from .backends import backend_names, get_backend
-    from .report import item_table, summary_table
+    from .report import item_table, summary_table, verdict_cell
     from .runner import Session
     from .verdict import Profile
 
@@ -72,7 +72,7 @@ def cmd_run(args) -> int:
 
                 localize_artifact_item(session, item, rec, log=lambda line: print(line, flush=True))
             records.append(rec)
-            print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
+            print(item_table(rec) if not rec.verdict.ok else f"{rec.item_id}: {verdict_cell(rec)}", flush=True)
     finally:
         session.close()
     print(summary_table(records))

@@ -120,6 +120,8 @@ def _ini_file_of(directory: Path) -> Path | None:
 SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process
 RECORDS_KEY = pytest.StashKey()  # the records this process made
 RAN_KEY = pytest.StashKey()  # ids of the parity items that ran (controller and workers)
+VERDICT_LINE = "kokoro_parity_verdict"  # the user property that carries an item's verdict line to the reporter
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
@@ -127,6 +129,7 @@ def pytest_configure(config: pytest.Config) -> None:
     quiet_logs()
     config.pluginmanager.register(_RanItems(config), "kokoro-parity-ran-items")
     if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_VerdictLines(config), "kokoro-parity-verdict-lines")
         _check_rootdir_kept(config)
         if getattr(config.option, "target", "local") != "local":  # a bad target or targets file: a usage error now
             from .plumbing.targets import TargetError, get_target
@@ -361,7 +364,7 @@ def parity_session(request: pytest.FixtureRequest):
 @pytest.fixture
 def check_parity(request: pytest.FixtureRequest):
     """Run one item and turn its record into a pytest outcome with a metric table, not a traceback."""
-    from .report import item_table
+    from .report import item_table, verdict_cell
 
     def check(item) -> Record:
         from .artifacts import ArtifactItem, check_artifact
@@ -376,6 +379,7 @@ def check_parity(request: pytest.FixtureRequest):
             else:
                 rec = check_artifact(_session(request.config), item) if artifact else _session(request.config).run(item)
         request.config.stash[RECORDS_KEY].append(rec)
+        request.node.user_properties.append((VERDICT_LINE, f"{rec.item_id}: {verdict_cell(rec)}"))
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
         if rec.verdict is Verdict.FAIL and request.config.getoption("--bisect") and isinstance(item, PortItem):
@@ -456,6 +460,27 @@ class _RanItems:
         if report.when == "call" or (report.when == "setup" and report.skipped):
             if "test_parity[" in report.nodeid:
                 self.ran.add(report.nodeid.split("[", 1)[1].rstrip("]"))
+
+
+class _VerdictLines:
+    """Prints each parity item's verdict line (verdict, error against its floor, PESQ) as the item
+    ends, after pytest's own mark for it: a long run shows its results as they come, not only in
+    the summary table at the end. In the controller under xdist: the line comes with the report."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report) -> None:
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if report.when != "call" or tr is None or self.config.get_verbosity() < 0:
+            return  # the teardown's report carries the item's properties too
+        for name, line in report.user_properties:
+            if name == VERDICT_LINE:
+                tr.ensure_newline()  # after the file's dots
+                if tr._tw.width_of_current_line:  # a dot pytest wrote on a line of its own (after progress lines)
+                    tr._tw.line()
+                tr.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
