@@ -190,7 +190,7 @@ def cmd_nightly(args) -> int:
     items = session.items(backends, args.step, modes)
     selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(modes),
                      weights=args.weights, profile=args.profile, with_patch=args.with_patch)
-    result = nightly((session.run(item) for item in items), history_dir, n_items=len(items),
+    result = nightly((_shown_run(session, item) for item in items), history_dir, n_items=len(items),
                      backends=backends, profile=session.profile, counts=lambda: dict(session.counts),
                      junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
                      factor=args.factor, selection=selection,
@@ -199,6 +199,15 @@ def cmd_nightly(args) -> int:
     for row in result.run.upstream:
         print(f"upstream {row['name']}: {row['status']} (exit {row['exit_code']}) {row['message'][:120]}")
     return _nightly_done(args, result, history_dir)
+
+
+def _shown_run(session, item):
+    """One item run with its phases on stderr (harness.progress), as `run` shows them: a nightly in
+    a CI log says what it is doing and that it is still working."""
+    from . import progress
+
+    with progress.displayed(progress.for_cli()), progress.item(item.id):
+        return session.run(item)
 
 
 def _upstream_dir():

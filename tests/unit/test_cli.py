@@ -103,3 +103,41 @@ def test_a_command_that_builds_the_model_prints_no_third_party_warning(tmp_path)
     asked = subprocess.run([sys.executable, "-W", "default", *cmd], cwd=tmp_path, capture_output=True, text=True,
                            timeout=600, env=env)
     assert "FutureWarning: `torch.nn.utils.weight_norm` is deprecated" in asked.stderr, asked.stderr[-2000:]
+
+
+def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys):
+    """In a CI log, the nightly says what it is doing while an item runs, as `run` does."""
+    from types import SimpleNamespace
+
+    from harness import history, progress, runner
+    from harness.plumbing.cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(progress, "_ledger", None)
+
+    class FakeSession:
+        cases, profile, counts = {"tiny": None}, None, {}
+
+        def __init__(self, **kwargs):
+            pass
+
+        def target_for(self, name):
+            pass
+
+        def items(self, backends, steps, modes):
+            return [SimpleNamespace(id="tiny-decoder-eager-dynamic")]
+
+        def run(self, item):
+            with progress.phase("running"):
+                return item
+
+    def fake_nightly(records, history_dir, **kwargs):
+        assert [r.id for r in records] == ["tiny-decoder-eager-dynamic"]
+        return SimpleNamespace(run=SimpleNamespace(upstream=[]), problems=[], regressions=[], summary=lambda: "")
+
+    monkeypatch.setattr(runner, "Session", FakeSession)
+    monkeypatch.setattr(history, "nightly", fake_nightly)
+    assert main(["nightly", "--backend=eager", f"--report-dir={tmp_path}", "--no-upstream"]) == 0
+    err = capsys.readouterr().err
+    assert "kokoro-parity: running tiny-decoder-eager-dynamic ..." in err, err
+    assert "kokoro-parity: running tiny-decoder-eager-dynamic: done in" in err, err
