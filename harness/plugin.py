@@ -93,28 +93,33 @@ def _check_rootdir_kept(config: pytest.Config) -> None:
     directory gets collected. Refuse that with the fix, rather than running the unit tests as
     parity items. The test is on the ini file itself, not on where the rootdir landed: a checkout
     and a report dir under one scratch directory share an ancestor that looks like a project."""
-    if config.option.inifilename:  # `-c FILE`: the user chose the configuration
+    if getattr(config.option, "inifilename", None):  # `-c FILE`: the user chose the configuration
         return
     cwd = config.invocation_params.dir
-    expected = _ini_file_of(cwd)
-    if expected is None or (config.inipath is not None and config.inipath.resolve() == expected.resolve()):
+    expected, has_config = _pytest_ini(cwd)
+    if not has_config or _same_file(config.inipath, expected):
         return
     args = list(config.invocation_params.args)
     for option, value in zip(args, args[1:]):
-        if option in PATH_OPTIONS and (cwd / value).exists():
+        path = cwd / value
+        if option in PATH_OPTIONS and path.exists() and _same_file(_pytest_ini(path)[0], config.inipath):
             raise pytest.UsageError(
                 f"`{option} {value}`: pytest read the existing path {value} as a test path before "
                 f"kokoro-parity's options were known, and took {config.rootpath} as its rootdir instead of "
                 f"this project's configuration ({expected}). Write `{option}={value}`.")
 
 
-def _ini_file_of(directory: Path) -> Path | None:
-    """The file pytest takes its configuration from when run in `directory` without arguments
-    (its own lookup), or None when it would find none: then there is nothing to lose."""
+def _pytest_ini(path: Path) -> tuple[Path | None, bool]:
+    """The file pytest looks to for its configuration from `path` (its own lookup, upwards), and
+    whether that file holds any."""
     from _pytest.config.findpaths import locate_config
 
-    found = locate_config(directory, [directory])
-    return found[1] if found[2] else None
+    found = locate_config(path, [path])
+    return found[1], bool(found[2])
+
+
+def _same_file(a: Path | None, b: Path | None) -> bool:
+    return a == b if a is None or b is None else a.resolve() == b.resolve()
 
 
 SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process
