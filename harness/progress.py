@@ -224,7 +224,10 @@ class PlainLines:
             with self._lock:
                 wait = self._last_line + self.every_s - time.monotonic()
                 if wait <= 0 and self._phases:
-                    self._write(f"{status_text(self._phases)}, still working")
+                    try:
+                        self._write(f"{status_text(self._phases)}, still working")
+                    except (OSError, ValueError):  # a closed stream: progress is a courtesy, never a failure
+                        return
                     wait = self.every_s
             if self._wake.wait(max(wait, 0.01)):
                 return
