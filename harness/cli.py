@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import options
+from .quiet import quiet
 
 
 RUN = (*options.RUN, "step")  # `kokoro-parity run` and `nightly` take pytest's options, and --step for -k
@@ -50,19 +51,17 @@ def _run_ports(args, specs: list[str]) -> int:
 
 
 def _judge(config: options.RunConfig, backends: list[str], summary: bool) -> int:
-    from . import progress
-    from .pipeline import check, items
-    from .report import item_table, summary_table
+    from .pipeline import items
+    from .report import item_table, summary_table, verdict_cell
 
     session = _session(config)
     records = []
     try:
         for item in items(session, config, backends):
-            with progress.displayed(progress.for_cli()), progress.item(item.id):  # what it is doing, on stderr
-                rec = check(session, item, config.localize, log=_print_line)
+            rec = _shown_check(session, config, item)
             records.append(rec)
             show = not rec.verdict.ok or rec.stages or not summary  # a port's stage table is the answer
-            print(item_table(rec) if show else f"{rec.item_id}: {rec.verdict.value.upper()}", flush=True)
+            print(item_table(rec) if show else f"{rec.item_id}: {verdict_cell(rec)}", flush=True)
     finally:
         session.close()
     if summary:
@@ -124,7 +123,7 @@ def cmd_bisect(args) -> int:
 def cmd_nightly(args) -> int:
     """The whole matrix (or the selected part) into one history entry, compared with the last one."""
     from .history import nightly
-    from .pipeline import check, items as items_of
+    from .pipeline import items as items_of
     from .verdict import Profile
 
     history_dir = args.history_dir or args.report_dir / "history"
@@ -140,7 +139,7 @@ def cmd_nightly(args) -> int:
     items = items_of(session, config, backends)
     selection = dict(backends=backends, cases=list(session.cases), steps=args.step or "all", modes=list(config.modes),
                      weights=args.weights, profile=args.profile, with_patch=args.with_patch)
-    result = nightly((check(session, item, config.localize, log=_print_line) for item in items), history_dir, n_items=len(items),
+    result = nightly((_shown_check(session, config, item) for item in items), history_dir, n_items=len(items),
                      backends=backends, profile=session.profile, counts=lambda: dict(session.counts),
                      junit_path=args.junit or args.report_dir / "junit" / "nightly.xml",
                      factor=args.factor, selection=selection,
@@ -149,6 +148,16 @@ def cmd_nightly(args) -> int:
     for row in result.run.upstream:
         print(f"upstream {row['name']}: {row['status']} (exit {row['exit_code']}) {row['message'][:120]}")
     return _nightly_done(args, result, history_dir)
+
+
+def _shown_check(session, config: options.RunConfig, item):
+    """One item judged (and with --bisect localized) with its phases on stderr (harness.progress):
+    a run or a nightly in a CI log says what it is doing and that it is still working."""
+    from . import progress
+    from .pipeline import check
+
+    with progress.displayed(progress.for_cli()), progress.item(item.id):
+        return check(session, item, config.localize, log=_print_line)
 
 
 def _upstream_dir():
@@ -505,6 +514,7 @@ def _tool_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet()  # torch's warnings about Kokoro's modules are not the user's business
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":

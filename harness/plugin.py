@@ -6,12 +6,12 @@ Registered through the `pytest11` entry point. It is the only module that import
 from __future__ import annotations
 
 import contextlib
-import logging
 from pathlib import Path
 
 import pytest
 
 from . import options, pipeline
+from .quiet import quiet_logs
 from .record import Record
 from .verdict import Verdict
 
@@ -37,40 +37,44 @@ PATH_OPTIONS = ("--report-dir", "--weights", "--profile", "--targets-file", "--p
 
 def _check_rootdir_kept(config: pytest.Config) -> None:
     """pytest chooses its rootdir and ini file before plugins register their options, so in
-    `--report-dir /tmp/x` it takes an existing /tmp/x for a test path: the project's pytest
-    configuration is lost and every test under the current directory gets collected. Refuse that
-    with the fix, rather than running the unit tests as parity items."""
-    args = list(config.invocation_params.args)
-    cwd = config.invocation_params.dir.resolve()
-    root = config.rootpath.resolve()
-    if cwd.is_relative_to(root):
+    `--report-dir /tmp/x` it takes an existing /tmp/x for a test path: the ini file is then looked
+    for from /tmp/x, the project's pytest configuration is lost and every test under the current
+    directory gets collected. Refuse that with the fix, rather than running the unit tests as
+    parity items. The test is on the ini file itself, not on where the rootdir landed: a checkout
+    and a report dir under one scratch directory share an ancestor that looks like a project."""
+    if getattr(config.option, "inifilename", None):  # `-c FILE`: the user chose the configuration
         return
+    cwd = config.invocation_params.dir
+    expected, has_config = _pytest_ini(cwd)
+    if not has_config or _same_file(config.inipath, expected):
+        return
+    args = list(config.invocation_params.args)
     for option, value in zip(args, args[1:]):
-        if option in PATH_OPTIONS and Path(value).exists() and Path(value).resolve().is_relative_to(root):
+        path = cwd / value
+        if option in PATH_OPTIONS and path.exists() and _same_file(_pytest_ini(path)[0], config.inipath):
             raise pytest.UsageError(
                 f"`{option} {value}`: pytest read the existing path {value} as a test path before "
-                f"kokoro-parity's options were known, and took {root} as its rootdir instead of this "
-                f"project's configuration. Write `{option}={value}`.")
+                f"kokoro-parity's options were known, and took {config.rootpath} as its rootdir instead of "
+                f"this project's configuration ({expected}). Write `{option}={value}`.")
+
+
+def _pytest_ini(path: Path) -> tuple[Path | None, bool]:
+    """The file pytest looks to for its configuration from `path` (its own lookup, upwards), and
+    whether that file holds any."""
+    from _pytest.config.findpaths import locate_config
+
+    found = locate_config(path, [path])
+    return found[1], bool(found[2])
+
+
+def _same_file(a: Path | None, b: Path | None) -> bool:
+    return a == b if a is None or b is None else a.resolve() == b.resolve()
 
 
 SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process
 RECORDS_KEY = pytest.StashKey()  # the records this process made
 RAN_KEY = pytest.StashKey()  # ids of the parity items that ran (controller and workers)
-
-# Loggers whose records say nothing to a user of this tool but fill every failing item's report:
-# torch's structured-trace channel (empty DEBUG lines), torchao's missing optional kernels, and
-# torch's pytree deprecation notices (both at import of executorch).
-QUIET_LOGGERS = {"torch.__trace": None, "torchao": logging.ERROR, "torchao.kernel.intmm": logging.ERROR,
-                 "torch.utils._pytree": logging.ERROR}
-
-
-def quiet_logs() -> None:
-    for name, level in QUIET_LOGGERS.items():
-        logger = logging.getLogger(name)
-        if level is None:
-            logger.propagate = False
-        else:
-            logger.setLevel(level)
+VERDICT_LINE = "kokoro_parity_verdict"  # the user property that carries an item's verdict line to the reporter
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -79,6 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
     quiet_logs()
     config.pluginmanager.register(_RanItems(config), "kokoro-parity-ran-items")
     if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_VerdictLines(config), "kokoro-parity-verdict-lines")
         _check_rootdir_kept(config)
         if getattr(config.option, "target", "local") != "local":  # a bad target or targets file: a usage error now
             from .plumbing.targets import TargetError, get_target
@@ -308,7 +313,7 @@ def parity_session(request: pytest.FixtureRequest):
 @pytest.fixture
 def check_parity(request: pytest.FixtureRequest):
     """Run one item and turn its record into a pytest outcome with a metric table, not a traceback."""
-    from .report import item_table
+    from .report import item_table, verdict_cell
 
     def check(item) -> Record:
         from . import progress
@@ -316,6 +321,7 @@ def check_parity(request: pytest.FixtureRequest):
         with progress.item(item.id):
             rec = pipeline.check(_session(request.config), item, run_config(request.config).localize)
         request.config.stash[RECORDS_KEY].append(rec)
+        request.node.user_properties.append((VERDICT_LINE, f"{rec.item_id}: {verdict_cell(rec)}"))
         if rec.verdict is Verdict.SKIPPED:
             pytest.skip(rec.reason)
         if rec.verdict is not Verdict.PASS:
@@ -376,6 +382,27 @@ class _RanItems:
         if report.when == "call" or (report.when == "setup" and report.skipped):
             if "test_parity[" in report.nodeid:
                 self.ran.add(report.nodeid.split("[", 1)[1].rstrip("]"))
+
+
+class _VerdictLines:
+    """Prints each parity item's verdict line (verdict, error against its floor, PESQ) as the item
+    ends, after pytest's own mark for it: a long run shows its results as they come, not only in
+    the summary table at the end. In the controller under xdist: the line comes with the report."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report) -> None:
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if report.when != "call" or tr is None or self.config.get_verbosity() < 0:
+            return  # the teardown's report carries the item's properties too
+        for name, line in report.user_properties:
+            if name == VERDICT_LINE:
+                tr.ensure_newline()  # after the file's dots
+                if tr._tw.width_of_current_line:  # a dot pytest wrote on a line of its own (after progress lines)
+                    tr._tw.line()
+                tr.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

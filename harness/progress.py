@@ -3,8 +3,9 @@
 A cold `make parity` spends a quarter of an hour before its first verdict (weights rebuilt,
 references in float64, lowerings), and pytest shows nothing while an item runs. Harness modules
 say what they are doing with `with phase("lowering"):`; a display chosen by the face (the pytest
-plugin, the CLI) shows it: one updating line on a terminal, plain lines in a log, nothing in
-`-q`. Without a display a phase costs a clock read.
+plugin, the CLI) shows it: one updating line on a terminal, plain lines in a log (and a line with
+the elapsed time at least every 30 s while a phase runs), nothing in `-q`. Without a display a
+phase costs a clock read.
 
 The seconds of every finished phase are remembered in the cache (`<cache>/progress/seconds.json`,
 by phase and subject), so a lowering shows how long the same one took last time.
@@ -179,24 +180,63 @@ def displayed(display) -> Iterator[None]:
 # ---- displays ----------------------------------------------------------------------------------
 
 class PlainLines:
-    """One line when a phase starts and one when it ends: for logs (CI, xdist workers, pipes)."""
+    """One line when a phase starts and one when it ends: for logs (CI, xdist workers, pipes). While
+    a phase runs, a line with its elapsed time after every `every_s` without one, so that a log
+    never goes silent for longer (en_long's float64 references once said nothing for 5 minutes)."""
 
-    def __init__(self, write_line: Callable[[str], None], prefix: str = "kokoro-parity: ") -> None:
+    def __init__(self, write_line: Callable[[str], None], prefix: str = "kokoro-parity: ",
+                 every_s: float = 30.0) -> None:
         self.write_line = write_line
         self.prefix = prefix
+        self.every_s = every_s
+        self._lock = threading.Lock()  # the ticker writes too
+        self._phases: list[Phase] = []
+        self._last_line = time.monotonic()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self, text: str) -> None:
+        self.write_line(f"{self.prefix}{text}")
+        self._last_line = time.monotonic()
 
     def start(self, p: Phase, stack: list[Phase]) -> None:
         last = f" (last {clock(p.last_s)})" if p.last_s is not None else ""
-        self.write_line(f"{self.prefix}{p.label}{last} ...")
+        with self._lock:
+            self._phases = stack
+            self._write(f"{p.label}{last} ...")
+        if self._thread is None:
+            self._wake.clear()
+            self._thread = threading.Thread(target=self._tick, name="kokoro-parity-progress", daemon=True)
+            self._thread.start()
 
     def update(self, p: Phase) -> None:
-        pass  # details would flood a log; the updating line shows them
+        pass  # details would flood a log; the still-working lines show them
 
     def end(self, p: Phase, seconds: float, ok: bool, stack: list[Phase]) -> None:
-        self.write_line(f"{self.prefix}{p.label}: {'done' if ok else 'stopped'} in {clock(seconds)}")
+        with self._lock:
+            self._phases = stack
+            self._write(f"{p.label}: {'done' if ok else 'stopped'} in {clock(seconds)}")
+        if not stack:
+            self.close()
+
+    def _tick(self) -> None:
+        while True:
+            with self._lock:
+                wait = self._last_line + self.every_s - time.monotonic()
+                if wait <= 0 and self._phases:
+                    try:
+                        self._write(f"{status_text(self._phases)}, still working")
+                    except (OSError, ValueError):  # a closed stream: progress is a courtesy, never a failure
+                        return
+                    wait = self.every_s
+            if self._wake.wait(max(wait, 0.01)):
+                return
 
     def close(self) -> None:
-        pass
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._wake.set()
+            thread.join()
 
 
 class UpdatingLine:

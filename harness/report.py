@@ -133,6 +133,33 @@ def audit_lines(audit: dict) -> list[str]:
     return lines
 
 
+def verdict_cell(r: Record) -> str:
+    """An item's verdict and key figures in a few words: its worst output's error against its
+    floor (or its NaN rate), PESQ where there is audio, the real-time factor; for an item that did
+    not run, the start of its reason. A summary cell, and the line printed when the item ends."""
+    worst = max(r.metrics.values(), key=lambda m: m.get("floor_ratio", 0) if isinstance(m.get("floor_ratio"), float) else 0, default=None)
+    cell = r.verdict.value.upper()
+    nan_rate = max((m.get("nan_rate") or 0 for m in r.metrics.values()), default=0)
+    if nan_rate and r.verdict.value == "fail":  # a NaN output has no meaningful error figure
+        cell += f" NaN {nan_rate:.0%}"
+    elif worst is not None and r.verdict.value in ("pass", "fail"):
+        fp16 = " fp16" if getattr(r, "precision", "float32") == "float16" else ""  # harness.precision
+        ratio = worst.get("floor_ratio")
+        # float16 eager non-finite (en_long's SineGen): there is no floor to be a multiple of
+        nonfinite = _number(ratio) is not None and not math.isfinite(_number(ratio))
+        floor = f"{fp16.strip() or 'fp32'} floor non-finite" if nonfinite else f"{_fmt(ratio)}x{fp16} floor"
+        cell += f" rel {_fmt(worst.get('rel_l2'))} ({floor})"
+    audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
+    if audio is not None and r.verdict.value in ("pass", "fail") and not nan_rate:
+        cell += f" PESQ {_fmt(audio.get('pesq'))}"
+    cell += shippable_cell(r)
+    if r.real_time.get("rtf") and r.verdict.value in ("pass", "fail"):
+        cell += f" RTF {_fmt(r.real_time['rtf'])}"
+    if r.verdict.value not in ("pass", "fail") and r.reason:
+        cell += f" ({r.reason.split(';')[0][:60]})"
+    return cell
+
+
 def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     """One row per (case, step, mode) in pipeline order, one column per backend in the registry's
     order: verdict and the key metric (or, for an item that did not run, the start of its reason).
@@ -150,28 +177,8 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     rows: dict[tuple, dict] = {}
     for r in records:
         key = (r.case, step_rank.get(r.step, len(step_rank)), r.step, r.mode)
-        worst = max(r.metrics.values(), key=lambda m: m.get("floor_ratio", 0) if isinstance(m.get("floor_ratio"), float) else 0, default=None)
-        cell = r.verdict.value.upper()
-        nan_rate = max((m.get("nan_rate") or 0 for m in r.metrics.values()), default=0)
-        if nan_rate and r.verdict.value == "fail":  # a NaN output has no meaningful error figure
-            cell += f" NaN {nan_rate:.0%}"
-        elif worst is not None and r.verdict.value in ("pass", "fail"):
-            fp16 = " fp16" if getattr(r, "precision", "float32") == "float16" else ""  # harness.precision
-            ratio = worst.get("floor_ratio")
-            # float16 eager non-finite (en_long's SineGen): there is no floor to be a multiple of
-            nonfinite = _number(ratio) is not None and not math.isfinite(_number(ratio))
-            floor = f"{fp16.strip() or 'fp32'} floor non-finite" if nonfinite else f"{_fmt(ratio)}x{fp16} floor"
-            cell += f" rel {_fmt(worst.get('rel_l2'))} ({floor})"
-        audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
-        if audio is not None and r.verdict.value in ("pass", "fail") and not nan_rate:
-            cell += f" PESQ {_fmt(audio.get('pesq'))}"
-        cell += shippable_cell(r)
-        if r.real_time.get("rtf") and r.verdict.value in ("pass", "fail"):
-            cell += f" RTF {_fmt(r.real_time['rtf'])}"
         drift = max((d["rel_l2"] for d in r.rewrite_drift.values()), default=None)
-        if r.verdict.value not in ("pass", "fail") and r.reason:
-            cell += f" ({r.reason.split(';')[0][:60]})"
-        rows.setdefault(key, {})[label(r)] = cell
+        rows.setdefault(key, {})[label(r)] = verdict_cell(r)
         if drift is not None:
             rows[key]["drift"] = _fmt(drift)
     table = [[key[0], key[2], key[3], rows[key].get("drift", "-"), *(rows[key].get(b, "not run") for b in backends)]

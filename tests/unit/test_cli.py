@@ -61,3 +61,102 @@ def test_table_joins_report_dirs_in_pipeline_and_registry_order(tmp_path, capsys
     assert "not run" in lines[2] and "en_short" not in "\n".join(lines)
     assert main(["table", "--report-dir", str(tmp_path / "a"), "--backend", "tvm"]) == 0
     assert "xnnpack" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["run", "nightly"])
+def test_run_and_nightly_pass_time_and_memory_limits_to_the_session(command, tmp_path, monkeypatch):
+    """`nightly` takes `run`'s options: its limits must reach the Session as `run`'s do."""
+    from harness import runner
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def session(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(runner, "Session", session)
+    with pytest.raises(Stop):
+        main([command, "--backend=eager", "--weights=random:0", f"--report-dir={tmp_path}",
+              "--time-limit", "compile=12", "--time-limit", "run=34", "--memory-limit", "5.5"])
+    limits = seen["limits"]
+    assert (limits.export_s, limits.compile_s, limits.run_s, limits.memory_gb()) == (900, 12, 34, 5.5)
+
+
+def test_a_command_that_builds_the_model_prints_no_third_party_warning(tmp_path):
+    """torch warns about Kokoro's weight_norm and LSTM dropout whenever a KModel is built (`python -W
+    default -m harness.cli weights --weights random:0` shows both), and torchao about its missing
+    kernels when executorch is imported: the CLI keeps all of it out of its output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.unit.conftest import child_pytest_env
+
+    root = Path(__file__).resolve().parents[2]
+    env = child_pytest_env(PYTHONPATH=str(root), KOKORO_PARITY_CACHE=str(tmp_path / "cache"))
+    cmd = ["-m", "harness.cli", "weights", "--weights", "random:0"]
+    out = subprocess.run([sys.executable, *cmd], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "random-seed0" in out.stdout, out.stderr[-2000:]
+    assert not [line for line in out.stderr.splitlines() if "Warning" in line or "Failed to load" in line], out.stderr
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_kokoros_torch_warnings_are_filtered_unless_the_user_asks_for_warnings(asked, monkeypatch):
+    """The filter is on torch's module and the category; `python -W ...` (sys.warnoptions) wins."""
+    import sys
+    import warnings
+
+    from harness import quiet
+
+    monkeypatch.setattr(sys, "warnoptions", ["default"] if asked else [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet.quiet_warnings()
+        warnings.warn_explicit("`torch.nn.utils.weight_norm` is deprecated", FutureWarning, "weight_norm.py", 144,
+                               module="torch.nn.utils.weight_norm")
+        warnings.warn_explicit("dropout option adds dropout after all but last recurrent layer", UserWarning,
+                               "rnn.py", 1011, module="torch.nn.modules.rnn")
+        warnings.warn_explicit("a warning of the user's own", UserWarning, "mine.py", 1, module="mine")
+    assert [str(w.message)[:10] for w in caught] == (["`torch.nn.", "dropout op", "a warning "] if asked
+                                                      else ["a warning "])
+
+
+def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys):
+    """In a CI log, the nightly says what it is doing while an item runs, as `run` does."""
+    from types import SimpleNamespace
+
+    from harness import history, progress, runner
+    from harness.plumbing.cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(progress, "_ledger", None)
+
+    class FakeSession:
+        cases, profile, counts = {"tiny": None}, None, {}
+
+        def __init__(self, **kwargs):
+            pass
+
+        def target_for(self, name):
+            pass
+
+        def items(self, backends, steps, modes):
+            return [SimpleNamespace(id="tiny-decoder-eager-dynamic")]
+
+        def run(self, item):
+            with progress.phase("running"):
+                return item
+
+    def fake_nightly(records, history_dir, **kwargs):
+        assert [r.id for r in records] == ["tiny-decoder-eager-dynamic"]
+        return SimpleNamespace(run=SimpleNamespace(upstream=[]), problems=[], regressions=[], summary=lambda: "")
+
+    monkeypatch.setattr(runner, "Session", FakeSession)
+    monkeypatch.setattr(history, "nightly", fake_nightly)
+    assert main(["nightly", "--backend=eager", f"--report-dir={tmp_path}", "--no-upstream"]) == 0
+    err = capsys.readouterr().err
+    assert "kokoro-parity: running tiny-decoder-eager-dynamic ..." in err, err
+    assert "kokoro-parity: running tiny-decoder-eager-dynamic: done in" in err, err

@@ -74,3 +74,57 @@ def test_an_existing_report_dir_as_a_separate_argument_is_a_usage_error(tmp_path
                             "--case=en_short", f"--report-dir={tmp_path}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_pytest_env())
     assert fixed.returncode == 0 and "tests/unit" not in fixed.stdout and "tests/parity" in fixed.stdout
+
+
+def test_the_report_dir_check_holds_when_checkout_and_report_dir_share_a_scratch_dir(tmp_path):
+    """A project in tmp/proj and a report dir in tmp/reports: pytest's rootdir becomes tmp, which
+    holds the project's directory, yet the project's configuration is lost all the same."""
+    project, reports = tmp_path / "proj", tmp_path / "reports"
+    (project / "checks").mkdir(parents=True)
+    reports.mkdir()
+    (project / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["checks"]\n')
+    (project / "checks" / "test_a.py").write_text("def test_a():\n    pass\n")
+    (project / "test_stray.py").write_text("def test_stray():\n    pass\n")
+    env = child_pytest_env(PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--report-dir", str(reports)], cwd=project, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"Write `--report-dir={reports}`" in out.stderr and str(project / "pyproject.toml") in out.stderr
+    fixed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            f"--report-dir={reports}"], cwd=project, capture_output=True, text=True, timeout=600,
+                           env=env)
+    assert fixed.returncode == 0 and "checks/test_a.py" in fixed.stdout and "stray" not in fixed.stdout, fixed.stdout
+
+
+def test_an_items_verdict_line_is_printed_when_it_ends(tmp_path):
+    """The line check_parity attaches to its item comes right after pytest's dot for the item,
+    without -s, and not in -q (where the summary table says it at the end)."""
+    (tmp_path / "test_items.py").write_text(
+        "from harness.plugin import VERDICT_LINE\n\n"
+        "def test_a(request):\n"
+        "    request.node.user_properties.append((VERDICT_LINE, 'tiny-decoder-eager-dynamic: PASS rel 1e-07'))\n\n"
+        "def test_b(request):\n"  # a progress line inside the item (as in a log): pytest's dot begins a line
+        "    plugins = request.config.pluginmanager\n"
+        "    with plugins.get_plugin('capturemanager').global_and_fixture_disabled():\n"
+        "        plugins.get_plugin('terminalreporter').write_line('kokoro-parity: judging b')\n"
+        "    request.node.user_properties.append((VERDICT_LINE, 'tiny-e2e-eager-dynamic: FAIL rel 2'))\n\n"
+        "def test_c():\n"
+        "    pass\n")
+    env = child_pytest_env(PYTHONPATH=str(ROOT))
+
+    def run(*args):
+        cmd = [sys.executable, "-m", "pytest", "test_items.py", "-p", "no:cacheprovider", f"--report-dir={tmp_path}",
+               *args]
+        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out.stdout.splitlines()
+
+    lines = run()  # `make parity`'s output: a dot per item, and now the item's line after its dot
+    a = lines.index("test_items.py .")
+    assert lines[a + 1] == "tiny-decoder-eager-dynamic: PASS rel 1e-07", lines
+    b = lines.index("kokoro-parity: judging b")
+    assert lines[b + 1:b + 3] == [".", "tiny-e2e-eager-dynamic: FAIL rel 2"], lines
+    assert lines[b + 3] == "" and lines[b + 4].startswith("test_items.py ."), lines  # pytest goes on
+    assert sum("PASS rel 1e-07" in line for line in lines) == 1  # once: not again for the teardown's report
+    assert not any("PASS rel" in line for line in run("-q"))

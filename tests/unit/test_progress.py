@@ -40,6 +40,32 @@ def test_plain_lines_name_the_phase_its_item_and_last_time(cache):
     assert len(lines) == 4 and not any("cached" in line for line in lines)
 
 
+def test_plain_lines_say_a_long_phase_is_still_working_and_stop_with_it(cache):
+    """A log (CI, a pipe) hears from a running phase after every `every_s` without a line, with the
+    phase's elapsed time; nothing more once the last phase ended."""
+    import threading
+    import time
+
+    lines = []
+    with progress.displayed(progress.PlainLines(lines.append, every_s=0.1)), progress.item("x"):
+        with progress.phase("judging"):
+            with progress.phase("references", subject="en_long static float64") as p:
+                p.update("decoder")
+                time.sleep(0.55)
+            inner = lines[2:-1]  # between the two start lines and the inner end line
+            time.sleep(0.35)
+        outer = lines[len(inner) + 3:]
+        ended = len(lines)
+    time.sleep(0.3)
+    assert len(lines) == ended and lines[-1].startswith("kokoro-parity: judging x: done in")
+    assert 3 <= len(inner) <= 5, lines  # at most one per 0.1 s
+    assert all(re.fullmatch(r"kokoro-parity: judging x > references en_long static float64: decoder  "
+                            r"\d\.\d s, still working", w) for w in inner), inner
+    assert 2 <= len(outer[:-1]) <= 3 and all(re.fullmatch(r"kokoro-parity: judging x  \d\.\d s, still working", w)
+                                             for w in outer[:-1]), outer
+    assert not any(t.name == "kokoro-parity-progress" for t in threading.enumerate())
+
+
 def test_last_seconds_come_from_the_cache_across_processes(cache):
     with progress.phase("references", subject="ja static float64"):
         pass
@@ -141,6 +167,8 @@ def test_a_first_run_shows_its_phases_in_a_log_and_quiet_shows_none(tmp_path):
                   "judging tiny-bert_encoder-eager-dynamic"):
         assert f"kokoro-parity: {phase}" in out, out[-4000:]
     assert "1 passed" in out
+    verdict = re.search(r"^tiny-bert_encoder-eager-dynamic: PASS rel \S+ \(\S+x floor\)$", out, re.M)
+    assert verdict and verdict.start() < out.index("kokoro-parity summary"), out[-4000:]  # as the item ended
 
     again = run_pytest(tmp_path, reports="again")  # warm: no export, no lowering to show
     assert "kokoro-parity: running tiny-bert_encoder-eager-dynamic (last" in again
