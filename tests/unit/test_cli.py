@@ -73,11 +73,11 @@ def test_run_and_nightly_pass_time_and_memory_limits_to_the_session(command, tmp
     class Stop(Exception):
         pass
 
-    def session(**kwargs):
-        seen.update(kwargs)
+    def session(config):
+        seen.update(limits=runner.Limits.parse(list(config.time_limit), config.memory_limit))
         raise Stop
 
-    monkeypatch.setattr(runner, "Session", session)
+    monkeypatch.setattr(runner.Session, "from_config", session)
     with pytest.raises(Stop):
         main([command, "--backend=eager", "--weights=random:0", f"--report-dir={tmp_path}",
               "--time-limit", "compile=12", "--time-limit", "run=34", "--memory-limit", "5.5"])
@@ -137,14 +137,18 @@ def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys
     class FakeSession:
         cases, profile, counts = {"tiny": None}, None, {}
 
-        def __init__(self, **kwargs):
-            pass
+        @classmethod
+        def from_config(cls, config):
+            return cls()
 
         def target_for(self, name):
             pass
 
         def items(self, backends, steps, modes):
-            return [SimpleNamespace(id="tiny-decoder-eager-dynamic")]
+            return [SimpleNamespace(id="tiny-decoder-eager-dynamic", run=lambda session: session.run_item())]
+
+        def run_item(self):
+            return self.run(SimpleNamespace(id="tiny-decoder-eager-dynamic"))
 
         def run(self, item):
             with progress.phase("running"):

@@ -69,22 +69,6 @@ def test_a_run_configuration_reads_the_same_from_either_face():
     assert from_cli.modes == ("static",) and from_cli.backends == ("xnnpack",) and from_cli.case_ids == ("ja",)
 
 
-def test_nightly_builds_its_session_with_the_time_and_memory_limits(monkeypatch, tmp_path):
-    from harness.runner import Session
-
-    seen = {}
-
-    def stop(config):
-        seen["session"] = Session.from_config(config)
-        raise KeyError("stopped after the session was built")
-
-    monkeypatch.setattr(cli, "_session", stop)
-    assert cli.main(["nightly", "--time-limit", "compile=7", "--memory-limit", "2.5",
-                     f"--report-dir={tmp_path}"]) == 2
-    limits = seen["session"].limits
-    assert limits.compile_s == 7 and limits.memory_gb() == 2.5
-
-
 # ---- the same items through both faces -------------------------------------------------------
 
 VOLATILE = {"timings", "cache", "peak_rss_mb", "log", "audio", "target", "versions"}
