@@ -715,8 +715,9 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
     if tuple(value.shape) != tuple(ref32.shape):
         kind = (f"length {value.shape[-1] - ref32.shape[-1]:+d} samples" if name == "audio" and value.dim() == ref32.dim()
                 else "shape")
-        return {"ok": False, "why": f"shape {list(value.shape)} != reference {list(ref32.shape)}",
-                "kind": kind, "shape": list(value.shape)}
+        bad = nonfinite(value, None if torch.isfinite(ref32).all() else ref32)
+        return {"ok": False, "why": (f"{bad}; " if bad else "") + f"shape {list(value.shape)} != reference "
+                f"{list(ref32.shape)}", "kind": kind, "shape": list(value.shape)}
     ref64 = ref["float64"] if "float64" in ref else tensors.reference(name, traces, "float64")
     m = compare_to_floor(value, ref32, ref64)
     m["kind"] = difference_kind(value, ref64)
@@ -728,12 +729,31 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
             m["rewrite_drift_rel_l2"] = error_metrics(ref32, exact["float32"])["rel_l2"]
     if "float16" in ref:  # a float16 stage: float16 eager's own error is its floor, the fp32 one beside it
         apply_float16_floor(m, error_metrics(ref["float16"], ref.get("float16_base", ref64)), stage.precision)
+    bad = nonfinite(value, ref64)  # a NaN never passes: not by the noise band, not by any floor
+    if bad:
+        m["ok"], m["why"] = False, bad
+        return m
     t = tensors.VOCAB.get(name)
     if t is not None and t.stochastic and stage.noise == "own":
         m["ok"], m["why"] = True, "draws its own noise: judged by the noise band"
         return m
     m["ok"], m["why"] = comparator(tol)(m)
     return m
+
+
+def nonfinite(value: torch.Tensor, ref: torch.Tensor | None = None) -> str | None:
+    """"NaN: n of N values non-finite" (or "Inf: ...") when `value` holds NaN or Inf where `ref`
+    (when given, of the same shape) is finite; else None. Every judge puts it first in its reason."""
+    if not value.is_floating_point():
+        return None
+    bad = ~torch.isfinite(value)
+    if ref is not None and tuple(ref.shape) == tuple(value.shape):
+        bad &= torch.isfinite(ref)
+    n = int(bad.sum())
+    if not n:
+        return None
+    word = "NaN" if bool(torch.isnan(value[bad]).any()) else "Inf"
+    return f"{word}: {n} of {value.numel()} values non-finite"
 
 
 def difference_kind(out: torch.Tensor, ref: torch.Tensor) -> str:
@@ -794,12 +814,18 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
                 rec.durations = {k: v for k, v in c.items() if isinstance(v, int) and not isinstance(v, bool)}
             elif not c.get("ok", True):
                 failures.append(f"{row['stage']}:{tensor}: {c['why']}")
+            bad = next((m[r]["why"] for r in ("local", "chained") if _is_nonfinite(m[r])), None)
+            if bad and not c.get("why", "").startswith(("NaN", "Inf")):  # a local NaN fails the item too
+                failures.append(f"{row['stage']}:{tensor} (local): {bad}")
     if "audio" in values:
         audio = values["audio"]
         ref = traces.chain["audio"][0].double().numpy()  # run 0 of the noise band
         cand = audio.reshape(-1).double().numpy()
         rec.audio_metrics["audio"] = {**audio_metrics(ref, cand), "duration_s": len(cand) / SAMPLE_RATE}
         am = rec.audio_metrics["audio"]
+        bad = nonfinite(torch.from_numpy(cand))
+        if bad:
+            failures.append(f"audio: {bad}")
         if len(cand) != len(ref):
             failures.append(f"audio: {len(cand)} samples, the reference has {len(ref)} "
                             f"({(len(cand) - len(ref)) / 600:+.1f} frames)")
@@ -808,6 +834,8 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
             check = band_comparator(tol)
             for metric, direction in DIRECTIONS.items():
                 ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
+                if not math.isfinite(am.get(metric, math.nan)) and all(map(math.isfinite, band["band"][metric])):
+                    ok, why = False, f"NaN: {metric} is non-finite (its noise band is finite)"
                 rec.bands[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok,
                                      "direction": direction, "why": why, "k": band["k"]}
                 if not ok:
@@ -828,11 +856,16 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
             path = session.report_dir / "audio" / item.id / f"{role}.wav"
             write_wav(path, wav)
             rec.audio[role] = path.relative_to(session.report_dir).as_posix()
-    if failures:
+    if failures:  # a non-finite value first: no other figure of the item means anything beside it
+        failures.sort(key=lambda f: not any(w in f for w in (": NaN: ", ": Inf: ")))
         rec.verdict, rec.reason = Verdict.FAIL, "; ".join(failures)
     else:
         parts = [f"{k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v]
         rec.verdict, rec.reason = Verdict.PASS, "; ".join(parts) or "every stage within its floor"
+
+
+def _is_nonfinite(m: dict) -> bool:
+    return not m.get("ok", True) and m.get("why", "").startswith(("NaN: ", "Inf: "))
 
 
 def session_k(session) -> int:

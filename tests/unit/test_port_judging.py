@@ -1,0 +1,89 @@
+"""How a port's stage outputs are judged (harness/port/chain.py), on hand-made tensors: no model,
+no artifact, no child process. A NaN fails every row, under every noise rule and for glue."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.port.chain import judge_end, judge_glue, judge_tensor, UserGlue
+from harness.port.portfile import Port, PortSpec, StageSpec
+from harness.verdict import Profile, Tolerance, Verdict
+
+TOL = Tolerance()
+
+
+def _stage(noise: str | None, out: str = "audio") -> StageSpec:
+    return StageSpec(name="voc", artifact="voc.onnx", inputs={"x": "asr"}, outputs={"y": out},
+                     **({"noise": noise} if noise else {}))
+
+
+def _ref(value: torch.Tensor) -> dict:
+    return {"float32": value.float(), "float64": value.double()}
+
+
+def _traces() -> SimpleNamespace:
+    """Three tokens of two frames each: t_en, the one-hot alignment, asr = t_en @ aln."""
+    t_en = torch.randn(1, 512, 3, generator=torch.Generator().manual_seed(0))
+    aln = torch.repeat_interleave(torch.eye(3), 2, dim=1)[None]
+    return SimpleNamespace(chain={"t_en": t_en, "aln": aln, "asr": t_en @ aln}, captures={}, io={},
+                           valid=SimpleNamespace(tokens=3, frames=6), pred_dur=[2, 2, 2])
+
+
+@pytest.mark.parametrize("noise", ["own", "inputs", "none"])
+@pytest.mark.parametrize("share", [1.0, 0.01])
+def test_a_nan_stage_output_fails_under_every_noise_rule(noise, share):
+    ref = torch.randn(1, 4000, generator=torch.Generator().manual_seed(1))
+    value = ref.clone()
+    n = int(share * value.numel())
+    value.view(-1)[:n] = math.nan
+    m = judge_tensor("audio", value, None, TOL, _stage(noise), _ref(ref))
+    assert m["ok"] is False
+    assert m["why"] == f"NaN: {n} of 4000 values non-finite", m["why"]
+    assert m["kind"].startswith("NaN/Inf")
+
+
+def test_an_inf_or_a_nan_of_another_shape_fails_and_says_so_first():
+    ref = torch.randn(1, 512, 6)
+    inf = ref.clone()
+    inf[0, 0, 0] = math.inf
+    m = judge_tensor("asr", inf, None, TOL, _stage(None, "asr"), _ref(ref))
+    assert not m["ok"] and m["why"] == "Inf: 1 of 3072 values non-finite"
+    longer = torch.full((1, 512, 7), math.nan)
+    m = judge_tensor("asr", longer, None, TOL, _stage(None, "asr"), _ref(ref))
+    assert not m["ok"] and m["why"].startswith("NaN: 3584 of 3584 values non-finite; shape [1, 512, 7]")
+
+
+def test_a_clean_stochastic_output_still_goes_to_the_noise_band():
+    ref = torch.randn(1, 4000, generator=torch.Generator().manual_seed(1))
+    m = judge_tensor("audio", ref * 3, None, TOL, _stage("own"), _ref(ref))
+    assert m["ok"] and m["why"].startswith("draws its own noise")
+
+
+def nan_glue(values):
+    return values["asr"] * math.nan
+
+
+def test_a_nan_from_the_users_glue_fails_its_row():
+    traces = _traces()
+    row = judge_glue(UserGlue("m:nan_glue", nan_glue), "asr", {}, traces, {}, TOL, _stage("own", "asr"))
+    assert row["stage"] == "glue:asr" and not row["local_ok"] and not row["chained_ok"]
+    assert row["outputs"]["asr"]["local"]["why"] == "NaN: 3072 of 3072 values non-finite"
+
+
+def test_a_local_nan_fails_the_item_and_comes_first_in_its_reason():
+    stage = _stage("own")
+    port = Port(PortSpec(name="p", stages=[stage]), ".", "p.yaml")
+    rec = SimpleNamespace(stages=[], metrics={}, durations={}, audio_metrics={}, bands={}, audio={},
+                          verdict=None, reason="")
+    ok = {"ok": True, "why": "rel_l2 1e-07 <= 2x fp32 floor", "rel_l2": 1e-7}
+    slow = {"ok": False, "why": "rel_l2 0.5 > 2x fp32 floor", "rel_l2": 0.5}
+    nan = {"ok": False, "why": "NaN: 10 of 10 values non-finite", "rel_l2": math.nan}
+    rec.stages = [{"stage": "front", "outputs": {"asr": {"local": ok, "chained": slow}}},
+                  {"stage": "voc", "outputs": {"audio": {"local": nan, "chained": {**ok, "why": "draws its own"}}}}]
+    session = SimpleNamespace(profile=Profile.load())
+    judge_end(session, port, SimpleNamespace(backend="port", mode="dynamic"), rec, {}, None, None)
+    assert rec.verdict is Verdict.FAIL
+    assert rec.reason.startswith("voc:audio (local): NaN: 10 of 10 values non-finite; front:asr: rel_l2"), rec.reason
