@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import tensors
+from .noise import noise_inside, zero_noise_reference
 from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
 
 from ..model import SAMPLES_PER_FRAME
@@ -121,7 +122,9 @@ def port_audit(port: Port) -> dict:
     """What the record says about the port it ran: its stages and their mapping."""
     return {"name": port.name, "source": port.source,
             "stages": [{"name": s.name, "artifact": s.artifact, **({"step": s.step} if s.step else {}),
-                        "precision": s.precision, "inputs": {k: v.tensor for k, v in s.inputs.items()},
+                        "precision": s.precision, "noise": s.noise,
+                        **({"noise_found": True} if s.name in getattr(port, "found_noise", ()) else {}),
+                        "inputs": {k: v.tensor for k, v in s.inputs.items()},
                         "outputs": {k: v.tensor for k, v in s.outputs.items()}} for s in port.stages]}
 
 
@@ -224,6 +227,9 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         if meta:
             row["bucket"] = meta
         own, note = stage_references(session, stage, local_in, traces, item, steps, references)
+        if stage.noise == "none" and noise_inside(stage) and "audio" in chained_out and "audio" not in own:
+            own["audio"] = zero_noise_reference(session, item.case)
+            note = "judged against the zero-noise reference (the stage draws no noise)"
         if note:
             row["reference"] = note
         for tensor in chained_out:
@@ -820,6 +826,8 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
     if "audio" in values:
         audio = values["audio"]
         ref = traces.chain["audio"][0].double().numpy()  # run 0 of the noise band
+        if last.noise == "none" and noise_inside(last):  # it draws no noise: the zero-noise reference
+            ref = zero_noise_reference(session, item.case)["float32"][0].double().numpy()
         cand = audio.reshape(-1).double().numpy()
         rec.audio_metrics["audio"] = {**audio_metrics(ref, cand), "duration_s": len(cand) / SAMPLE_RATE}
         am = rec.audio_metrics["audio"]

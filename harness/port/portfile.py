@@ -7,7 +7,7 @@ work starts and raises ONE `PortError` naming the file, the stage and the field.
       - name: whole
         artifact: kokoro-v1.0.int8.onnx   # relative to this file; or synth_{frames}.onnx + buckets
         precision: int8                   # optional: the profile's `step: int8` overrides apply
-        noise: own                        # own (draws its own or none) | inputs (noise is an input)
+        noise: own                        # optional: own | inputs | none (found when not given)
         inputs:  {tokens: input_ids, style: ref_s, speed: speed}
         outputs: {audio: audio}           # or {audio: {tensor: audio, dtype: int16}}
 
@@ -38,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import tensors
+from .noise import stage_noise
 
 # What the case gives a port's first stage, and what the host glue derives between stages
 # (the harness's own reference code: steps.build_alignment, the matmuls of run_chain).
@@ -85,7 +86,9 @@ class StageSpec(BaseModel):
     # (`case`: the case file's own bucket); a `step:` stage is bucketed in static mode only
     buckets: list[int] | dict[str, list[int] | Literal["case"]] | None = None
     precision: Literal["float32", "float16", "int8"] = "float32"
-    noise: Literal["own", "inputs", "none"] = "own"
+    # own (draws its own: the noise band) | inputs (noise is an input) | none (draws none); when the
+    # file says nothing, found from the stage by load_port (harness.port.noise.stage_noise)
+    noise: Literal["own", "inputs", "none"] | None = None
     inputs: dict[str, TensorRef]
     outputs: dict[str, TensorRef]
 
@@ -163,6 +166,7 @@ class Port:
 
     def __init__(self, spec: PortSpec, root: Path, source: str):
         self.spec, self.root, self.source = spec, Path(root), source
+        self.found_noise: set[str] = set()  # the stages whose noise rule was found, not given
 
     @property
     def name(self) -> str:
@@ -231,6 +235,10 @@ def load_port(path: str | Path, describe_artifacts: bool = True) -> Port:
         raise PortError(f"{_where(str(path), stage, field)}: {err['msg']}") from None
     port = Port(spec, path.parent, str(path))
     validate(port, describe_artifacts)
+    for stage in port.stages:  # `noise:` only overrides: a stage without it has its rule found
+        if stage.noise is None:
+            stage.noise = stage_noise(stage, port.root)
+            port.found_noise.add(stage.name)
     return port
 
 
@@ -480,7 +488,9 @@ def whole_model_port(artifact: str | Path) -> Port:
                         f"{[q.name for q in outs]}")
     precision = "int8" if _is_int8(artifact) else "float32"
     spec = PortSpec(name=artifact.stem.replace(".", "_"), stages=[StageSpec(
-        name="whole", artifact=str(artifact), precision=precision, inputs=inputs, outputs=outputs)])
+        name="whole", artifact=str(artifact), precision=precision, noise="own", inputs=inputs, outputs=outputs)])
+    # a whole model is judged by the noise band (random ops or not; the zero-noise comparison is
+    # printed beside it, and `--bisect` finds the graph's noise itself)
     port = Port(spec, artifact.parent, source)
     for io_name, ref in spec.stages[0].inputs.items():
         check_fits(port, spec.stages[0], "inputs", io_name, ref, next(q for q in ins if q.name == io_name), artifact)

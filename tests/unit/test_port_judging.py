@@ -87,3 +87,66 @@ def test_a_local_nan_fails_the_item_and_comes_first_in_its_reason():
     judge_end(session, port, SimpleNamespace(backend="port", mode="dynamic"), rec, {}, None, None)
     assert rec.verdict is Verdict.FAIL
     assert rec.reason.startswith("voc:audio (local): NaN: 10 of 10 values non-finite; front:asr: rel_l2"), rec.reason
+
+
+# ---- a stage's noise rule: found from the stage; `noise:` in the port file only overrides ------
+
+def _vocoder(path, random_op: bool, noise_input: bool = False):
+    """asr -> audio, with a RandomNormalLike feeding the output (times zero) when `random_op`."""
+    from onnx import TensorProto, helper
+
+    F = TensorProto.FLOAT
+    nodes = [helper.make_node("ReduceSum", ["x"], ["audio"], axes=[1], keepdims=0)]
+    ins = [helper.make_tensor_value_info("x", F, [1, 512, "F"])]
+    if random_op:
+        nodes = [helper.make_node("ReduceSum", ["x"], ["s"], axes=[1], keepdims=0),
+                 helper.make_node("RandomNormalLike", ["s"], ["r"]),
+                 helper.make_node("Add", ["s", "r"], ["audio"])]
+    if noise_input:
+        ins.append(helper.make_tensor_value_info("n", F, [1, "S", 9]))
+        nodes.append(helper.make_node("Identity", ["n"], ["n_out"]))
+    outs = [helper.make_tensor_value_info("audio", F, [1, "F"])]
+    if noise_input:
+        outs.append(helper.make_tensor_value_info("n_out", F, [1, "S", 9]))
+    model = helper.make_model(helper.make_graph(nodes, "voc", ins, outs), opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 8
+    import onnx
+
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("random_op,noise_input,given,want", [
+    (False, False, None, "none"), (True, False, None, "own"), (False, True, None, "inputs"),
+    (False, False, "own", "own"), (True, False, "none", "none")])
+def test_a_stage_without_a_random_op_draws_no_noise_unless_the_port_file_says(tmp_path, random_op, noise_input,
+                                                                                given, want):
+    from harness.port.portfile import load_port
+
+    pytest.importorskip("onnx")
+    _vocoder(tmp_path / "voc.onnx", random_op, noise_input)
+    ins = "{x: asr, n: sine_noise}" if noise_input else "{x: asr}"
+    outs = "{audio: audio, n_out: sine_noise}" if noise_input else "{audio: audio}"
+    (tmp_path / "port.yaml").write_text(
+        "name: p\nstages:\n  - name: voc\n    artifact: voc.onnx\n" + (f"    noise: {given}\n" if given else "")
+        + f"    inputs: {ins}\n    outputs: {outs}\n")
+    port = load_port(tmp_path / "port.yaml")
+    assert port.stages[0].noise == want
+    assert port.found_noise == (set() if given else {"voc"})
+
+
+def test_a_stage_that_draws_no_noise_is_judged_sample_by_sample():
+    """`none` (found or given): the stage's audio against the (zero-noise) reference by its floor,
+    so a gain no longer hides in the noise band."""
+    from harness.port.noise import noise_inside
+
+    ref = torch.randn(1, 4000, generator=torch.Generator().manual_seed(1))
+    drift = ref + 1e-4 * torch.randn(1, 4000, generator=torch.Generator().manual_seed(2))
+    refs = {"float32": drift.float(), "float64": ref.double()}
+    assert noise_inside(_stage("none")) and not noise_inside(_stage("none", "asr"))
+    loud = judge_tensor("audio", ref * 1.5, None, TOL, _stage("none"), refs)
+    assert not loud["ok"] and loud["kind"].startswith("constant gain x1.5"), loud
+    assert judge_tensor("audio", ref * 1.5, None, TOL, _stage("own"), refs)["ok"]  # the band's, as before
+    assert judge_tensor("audio", ref.clone(), None, TOL, _stage("none"), refs)["ok"]
+    tail = StageSpec(name="tail", artifact="t.onnx", noise="none", inputs={"h": "decoder.generator.noise_convs.0:in"},
+                     outputs={"y": "audio"})
+    assert not noise_inside(tail)  # its input carries the case's noise: the plain reference
