@@ -105,6 +105,46 @@ def test_bad_port_files_give_one_clear_error_naming_file_stage_and_field(tmp_pat
         assert str(tmp_path / "port.yaml") in str(e.value)
 
 
+OK_PORT = "name: p\nstages:\n  - name: s1\n    artifact: a.onnx\n    inputs: {x: asr}\n    outputs: {y: asr}\n"
+
+
+@pytest.mark.parametrize("text,stage,field,says", [
+    (OK_PORT.replace("{x: asr}", "[1, 2]"), "s1", "inputs", "expected a mapping of names to Kokoro tensors, got a list"),
+    (OK_PORT.replace("{y: asr}", "{y: 5}"), "s1", "outputs.y", "expected a Kokoro tensor name, or a mapping"),
+    (OK_PORT.replace("{y: asr}", "{y: {tensor: [asr]}}"), "s1", "outputs.y", "expected a name (text), got a list"),
+    (OK_PORT.replace("name: s1", "name: 3"), "#0", "name", "expected a name (text), got 3 (a number)"),
+    (OK_PORT.replace("{x: asr}", "{1: asr}"), "s1", "inputs.1", "expected a name (text) as the key, got 1"),
+    (OK_PORT.replace("a.onnx", "[a.onnx]"), "s1", "artifact", "expected a name (text), got a list"),
+    (OK_PORT.replace("{y: asr}", "{y: {tensor: asr, dtype: 16}}"), "s1", "outputs.y.dtype", "got 16 (a number)"),
+    (OK_PORT.replace("{y: asr}", "{y: {tensor: asr, dtyp: int32}}"), "s1", "outputs.y.dtyp", "unknown field 'dtyp'"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    noise: 1\n"), "s1", "noise", "expected 'own', 'inputs' or 'none'"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    precision: int4\n"), "s1", "precision", "got 'int4' (text)"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    buckets: {frames: [a]}\n"), "s1", "buckets.frames.0",
+     "expected a valid integer"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    buckets: nope\n"), "s1", "buckets", "a list of sizes or a mapping"),
+    (OK_PORT.replace("    inputs: {x: asr}\n", ""), "s1", "inputs", "missing (required)"),
+    ("name: p\nstages:\n  - s1\n", "#0", "(stage)", "expected a stage: a mapping"),
+    ("name: p\nstages: {s1: a.onnx}\n", None, "stages", "expected a list, got a mapping"),
+    (OK_PORT.replace("stages:", "glue: [aln]\nstages:"), None, "glue", "expected a mapping of Kokoro tensors"),
+    ("- name: p\n", None, "(top)", "expected a port: a mapping (name:, stages:), got a list"),
+])
+def test_every_malformed_port_file_is_one_error_naming_file_stage_and_field(tmp_path, capsys, text, stage, field,
+                                                                              says):
+    """Wrong types anywhere (a list for a mapping, a number for a name, an unknown key): one
+    PortError naming the file, the stage and the field, never a traceback; `port check` exits 2
+    with that one line."""
+    from harness.cli import main
+
+    path = _write(tmp_path, text)
+    with pytest.raises(PortError) as e:
+        load_port(path)
+    where = f"port {path}" + (f", stage {stage!r}" if stage else "") + f", field {field!r}: "
+    assert str(e.value).startswith(where) and says in str(e.value), e.value
+    assert "\n" not in str(e.value)
+    assert main(["port", "check", str(path)]) == 2
+    assert capsys.readouterr().err == f"kokoro-parity: error: {e.value}\n"
+
+
 # ---- the user's host glue (`glue: package.module:function`), called with the Kokoro tensors so far
 
 def aln_by_cumsum(values):
@@ -508,3 +548,4 @@ def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, cas
     if b.get("repro"):
         done = subprocess.run([sys.executable, str(Path(b["repro"]) / "repro.py")], capture_output=True, text=True)
         assert done.returncode in (0, 1), done.stdout + done.stderr
+
