@@ -6,8 +6,9 @@ copy into the cache and run in a child process like every backend. Each stage is
 outputs, with the harness's host glue between them: durations -> alignment -> aligned features),
 as the app runs it. Per stage: the local error against its fp32 floor, the chained error, the kind
 of difference; durations where a stage outputs them; the audio of the last stage against the
-noise band when the stage draws its own noise. The reason names the first stage whose *local*
-error leaves its floor: a defect of its own, not the error the chain accumulated.
+noise band when the stage draws its own noise. The reason names every stage whose *local* error
+leaves its floor, in chain order: a defect of its own, not the error the chain accumulated. A value
+that is NaN or Inf where the reference is finite fails its row under every noise rule.
 
 A user's host glue (`glue:` in the port file) is judged like a stage, row `glue:<tensor>`: fed the
 reference's values (local) and the chain's (chained). A bucketed stage (`buckets:`) gets its
@@ -147,7 +148,7 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     {"float32": ..., "float64": ...}} judged against instead of the plain reference (a backend's
     semantics-changing patches make their own variant, harness.reference.synthesizer_reference).
     Longer than 80 lines on purpose: the loop over stages shares the chained values, the user's
-    glue, the rows already judged and the first stage to leave its floor; the per-stage pieces
+    glue, the rows already judged and the stages whose local error leaves its floor; the per-stage pieces
     (glue, run, judge) are functions of their own, the loop reads as the chain runs.
     """
     from ..verdict import Verdict
@@ -164,7 +165,7 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         except ValueError as e:
             raise PortError(str(e)) from None
     chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
-    first_local = None
+    defects: list[tuple[str, str, dict]] = []  # (stage, tensor, local metrics): each local error leaving its floor
     try:
         user = {name: UserGlue(spec, resolve_glue(spec, port.root)) for name, spec in port.spec.glue.items()}
     except ValueError as e:
@@ -199,8 +200,8 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
                 judged_glue.add((g.spec, tensor))
                 row = judge_glue(g, tensor, chained, traces, user, tol, stage)
                 rec.stages.append(row)
-                if not row["local_ok"] and first_local is None:
-                    first_local = (row["stage"], tensor, row["outputs"][tensor]["local"])
+                if not row["local_ok"]:
+                    defects.append((row["stage"], tensor, row["outputs"][tensor]["local"]))
         local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
         meta: dict = {}
         local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces,
@@ -242,8 +243,8 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
             chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
                                                                         stage, chain_ref or None)
             row["outputs"][tensor] = {"local": local, "chained": chain}
-            if not local.get("ok", True) and first_local is None:
-                first_local = (stage.name, tensor, local)
+            if not local.get("ok", True) and stage.name not in {d[0] for d in defects}:
+                defects.append((stage.name, tensor, local))
         row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
         row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
         rec.stages.append(row)
@@ -261,10 +262,9 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     end(session, port, item, rec, chained, traces, case, local=local_out)
     if len(port.stages) == 1 or rec.verdict is Verdict.PASS:
         pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
-    elif first_local is not None:
-        stage, tensor, m = first_local
-        rec.reason += (f"; first stage whose local error leaves its floor: {stage!r} ({tensor}: "
-                       f"{m.get('why', '')}; {m.get('kind', '')})")
+    elif defects:  # every stage the table reads DEFECT, in chain order
+        rec.reason += "; first stage whose local error leaves its floor: " + "; also: ".join(
+            f"{stage!r} ({tensor}: {m.get('why', '')}; {m.get('kind', '')})" for stage, tensor, m in defects)
     elif rec.verdict is not Verdict.PASS:
         rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
     rec.reason = rec.reason.lstrip("; ")

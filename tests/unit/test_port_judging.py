@@ -150,3 +150,47 @@ def test_a_stage_that_draws_no_noise_is_judged_sample_by_sample():
     tail = StageSpec(name="tail", artifact="t.onnx", noise="none", inputs={"h": "decoder.generator.noise_convs.0:in"},
                      outputs={"y": "audio"})
     assert not noise_inside(tail)  # its input carries the case's noise: the plain reference
+
+
+# ---- the stage table: one word per row, meaning one thing, as the verdict's reason names it ------
+
+def _judged(rel_l2: float, ok: bool, why: str = "", kind: str = "noise-like (SNR 20.0 dB)") -> dict:
+    return {"rel_l2": rel_l2, "floor_rel_l2": 1e-6, "ok": ok, "why": why or f"rel_l2 {rel_l2:.2e}", "kind": kind}
+
+
+def test_each_row_reads_one_word_and_the_defect_is_named_as_the_reason_names_it():
+    """front (within) -> a (its own gain: DEFECT) -> b (within locally, a's error chained:
+    accumulated) -> voc (draws its own noise: not judged, its chained 1.67 does not read ok)."""
+    from harness.record import Record
+    from harness.report import item_table
+
+    band = "draws its own noise: judged by the noise band"
+    stages = [
+        {"stage": "front", "outputs": {"t_en": {"local": _judged(1e-7, True), "chained": _judged(1e-7, True)}}},
+        {"stage": "a", "outputs": {"asr": {"local": _judged(0.5, False, kind="constant gain x1.5 (+3.52 dB)"),
+                                           "chained": _judged(0.5, False)}}},
+        {"stage": "b", "outputs": {"asr": {"local": _judged(1e-7, True), "chained": _judged(0.5, False)}}},
+        {"stage": "voc", "outputs": {"audio": {"local": _judged(1.2, True, band), "chained": _judged(1.67, True, band)}}},
+    ]
+    reason = "b:asr: rel_l2 0.5; first stage whose local error leaves its floor: 'a' (asr: ...)"
+    rec = Record("tiny", "port:p", "port", "dynamic", Verdict.FAIL, reason, stages=stages)
+    lines = item_table(rec).splitlines()
+    words = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in ("front", "a", "b", "voc")}
+    assert "within" in words["front"] and "DEFECT" in words["a"] and "constant gain x1.5" in words["a"]
+    assert "accumulated" in words["b"] and "DEFECT" not in words["b"]
+    assert "not judged: noise band" in words["voc"] and " ok" not in words["voc"]
+    assert "defects (local error leaves its floor): a" in lines
+    assert not any("LEAVES" in line or "(first)" in line for line in lines)
+
+
+def test_a_whole_model_row_names_where_the_localization_found_its_defect():
+    from harness.record import Record
+    from harness.report import item_table
+
+    stages = [{"stage": "whole", "outputs": {"audio": {"local": _judged(0.4, False), "chained": _judged(0.4, False)}}}]
+    rec = Record("ja", "e2e", "artifact", "dynamic", Verdict.FAIL, "whole:audio: rel_l2 0.4", stages=stages,
+                 bisect={"kind": "onnx-stages", "first_stage": "decoder.generator.istft", "stages": [],
+                         "artifact": "m.onnx", "noise": "none drawn"})
+    text = item_table(rec)
+    assert "defects (local error leaves its floor): whole; localized inside it to decoder.generator.istft" in text
+    assert "(first)" not in text
