@@ -415,7 +415,9 @@ def test_a_chain_names_the_stage_with_the_defect(port_session, tmp_path, defect,
     assert rec.verdict is Verdict.FAIL and "first stage whose local error leaves its floor: 'a'" in rec.reason
     from harness.report import item_table
 
-    assert "LEAVES" in item_table(rec)
+    table = item_table(rec)
+    assert next(line for line in table.splitlines() if line.startswith("a ")).split()[-3:][0] == "DEFECT", table
+    assert "defects (local error leaves its floor): a" in table
 
 
 def _head(session, tmp_path) -> str:
@@ -549,3 +551,22 @@ def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, cas
         done = subprocess.run([sys.executable, str(Path(b["repro"]) / "repro.py")], capture_output=True, text=True)
         assert done.returncode in (0, 1), done.stdout + done.stderr
 
+
+@pytest.mark.slow
+def test_a_vocoder_stage_without_a_random_op_is_judged_against_the_zero_noise_reference(port_session, tmp_path):
+    """The port file says nothing about noise; the stage's graph draws none: its audio is judged
+    sample by sample against the reference with every noise input zero (not by the noise band)."""
+    from harness.port.noise import zero_noise_reference
+    from harness.verdict import Verdict
+
+    zero = zero_noise_reference(port_session, "tiny")["float32"]
+    replay(tmp_path / "voc.onnx", {"x": (F, [1, 512, "F"])}, "audio", zero.numpy())
+    (tmp_path / "port.yaml").write_text(
+        "name: voc\nstages:\n  - {name: voc, artifact: voc.onnx, inputs: {x: asr}, outputs: {audio: audio}}\n")
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    row = rec.stages[0]
+    assert rec.audit["port"]["stages"][0]["noise"] == "none" and rec.audit["port"]["stages"][0]["noise_found"]
+    assert row["reference"].startswith("judged against the zero-noise reference"), row
+    local = row["outputs"]["audio"]["local"]
+    assert local["ok"] and local["floor_ratio"] == 1.0 and "noise band" not in local["why"], local
+    assert rec.verdict is Verdict.PASS and not rec.bands, rec.reason
