@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from . import tensors
+from .durations import FoundDurations, found_durations, run_with_durations
 from .noise import noise_inside, zero_noise_reference
 from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
 
@@ -148,8 +149,8 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     {"float32": ..., "float64": ...}} judged against instead of the plain reference (a backend's
     semantics-changing patches make their own variant, harness.reference.synthesizer_reference).
     Longer than 80 lines on purpose: the loop over stages shares the chained values, the user's
-    glue, the rows already judged and the stages whose local error leaves its floor; the per-stage pieces
-    (glue, run, judge) are functions of their own, the loop reads as the chain runs.
+    glue, the rows already judged and the stages whose local error leaves its floor; the per-stage
+    pieces (glue, run, judge_stage) are functions of their own, the loop reads as the chain runs.
     """
     from ..verdict import Verdict
 
@@ -204,8 +205,14 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
                     defects.append((row["stage"], tensor, row["outputs"][tensor]["local"]))
         local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
         meta: dict = {}
-        local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces,
-                              valid_lengths(traces) if stage.buckets else None, meta, steps)
+        found = stage_durations(port, stage, session.report_dir / "runs" / item.id / "durations")
+
+        def runner(role: str, valid):  # run_stage on the stage (or on its copy that finds its durations)
+            return lambda s, values: run_stage(session, port, s or stage, values, rec, item, role, traces, valid,
+                                               meta, steps)
+        local_out, durations = run_with_durations(runner("local", valid_lengths(traces) if stage.buckets else None),
+                                                  found, local_in, traces)
+        durations = {"local": durations} if durations else {}
         if local_out is None and compiled_not_run(rec):  # a Core ML chain off macOS: convert every stage
             compiled_only.append((stage.name, rec.reason))
             continue
@@ -217,37 +224,17 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         else:
             chain_in = {ref.tensor: own[ref.tensor](glue_view(chained, traces, user)) if ref.tensor in own
                         else glue(ref.tensor, chained, traces, user) for ref in stage.inputs.values()}
-            chained_out = run_stage(session, port, stage, chain_in, rec, item, "chained", traces,
-                                    valid_lengths(traces, chained, user) if stage.buckets else None, meta, steps)
+            chained_out, chained_dur = run_with_durations(
+                runner("chained", valid_lengths(traces, chained, user) if stage.buckets else None), found, chain_in,
+                traces)
+            if chained_dur:
+                durations["chained"] = chained_dur
             if chained_out is None:
                 return
             app_runs.append(stage_tag(port, stage, "chained"))
         chained.update(chained_out)
-        row = {"stage": stage.name, "artifact": stage.artifact, **({"step": stage.step} if stage.step else {}),
-               "precision": stage.precision, "outputs": {}}
-        if meta:
-            row["bucket"] = meta
-        own, note = stage_references(session, stage, local_in, traces, item, steps, references)
-        if stage.noise == "none" and noise_inside(stage) and "audio" in chained_out and "audio" not in own:
-            own["audio"] = zero_noise_reference(session, item.case)
-            note = "judged against the zero-noise reference (the stage draws no noise)"
-        if note:
-            row["reference"] = note
-        for tensor in chained_out:
-            ref = {**((references or {}).get(tensor) or {}), **own.get(tensor, {})}
-            # the chained run took another bucket: its padded reference is not this one
-            chain_ref = ref if meta.get("chained", meta.get("local")) == meta.get("local") else \
-                {k: v for k, v in ref.items() if k not in ("float32", "float64", "exact", "bucket")} | \
-                dict(ref.get("exact", {}))
-            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref or None)
-            chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
-                                                                        stage, chain_ref or None)
-            row["outputs"][tensor] = {"local": local, "chained": chain}
-            if not local.get("ok", True) and stage.name not in {d[0] for d in defects}:
-                defects.append((stage.name, tensor, local))
-        row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
-        row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
-        rec.stages.append(row)
+        rec.stages.append(judge_stage(session, stage, item, traces, tol, local_in, local_out, chained_out,
+                                      {"bucket": meta, "durations": durations}, steps, references, defects))
     if compiled_only:
         rec.verdict = Verdict.SKIPPED
         rec.reason = (f"{compiled_only[0][1]}; every stage compiled: "
@@ -260,6 +247,7 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         rec.real_time = real_time(sum(rec.timings.get(f"{tag}run_s", 0.0) for tag in app_runs),
                                   chained["audio"].shape[-1] / SAMPLE_RATE)
     end(session, port, item, rec, chained, traces, case, local=local_out)
+    rec.reason += forced_note(rec)
     if len(port.stages) == 1 or rec.verdict is Verdict.PASS:
         pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
     elif defects:  # every stage the table reads DEFECT, in chain order
@@ -268,6 +256,66 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     elif rec.verdict is not Verdict.PASS:
         rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
     rec.reason = rec.reason.lstrip("; ")
+
+
+def judge_stage(session, stage: StageSpec, item, traces, tol, local_in: dict, local_out: dict, chained_out: dict,
+                runs: dict, steps, references: dict | None, defects: list) -> dict:
+    """A stage's row: each output's local and chained values judged (against the reference the
+    stage's bucket, precision or noise asks for: stage_references), what its runs were (`runs`:
+    the bucket each took, the durations found inside it); a local error leaving its floor is
+    added to `defects` (once per stage)."""
+    meta, durations = runs["bucket"], runs["durations"]
+    row = {"stage": stage.name, "artifact": stage.artifact, **({"step": stage.step} if stage.step else {}),
+           "precision": stage.precision, "outputs": {}}
+    if meta:
+        row["bucket"] = meta
+    if durations:  # found inside the stage (harness.port.durations): the later stages ran on the reference's
+        row["durations"] = durations
+    own, note = stage_references(session, stage, local_in, traces, item, steps, references)
+    if stage.noise == "none" and noise_inside(stage) and "audio" in chained_out and "audio" not in own:
+        own["audio"] = zero_noise_reference(session, item.case)
+        note = "judged against the zero-noise reference (the stage draws no noise)"
+    if note:
+        row["reference"] = note
+    for tensor in chained_out:
+        ref = {**((references or {}).get(tensor) or {}), **own.get(tensor, {})}
+        # the chained run took another bucket: its padded reference is not this one
+        chain_ref = ref if meta.get("chained", meta.get("local")) == meta.get("local") else \
+            {k: v for k, v in ref.items() if k not in ("float32", "float64", "exact", "bucket")} | \
+            dict(ref.get("exact", {}))
+        local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref or None)
+        chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
+                                                                    stage, chain_ref or None)
+        row["outputs"][tensor] = {"local": local, "chained": chain}
+        if not local.get("ok", True) and stage.name not in {d[0] for d in defects}:
+            defects.append((stage.name, tensor, local))
+    row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
+    row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
+    return row
+
+
+def stage_durations(port: Port, stage: StageSpec, work: Path) -> FoundDurations | None:
+    """A stage's durations found inside it (harness.port.durations), or None; a graph that cannot
+    be read for it is one error naming the stage."""
+    try:
+        return found_durations(port, stage, work)
+    except Exception as e:  # noqa: BLE001 - a file onnx cannot read or infer: one error, named
+        raise PortError(f"stage {stage.name!r}, field 'artifact': cannot look for its durations: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def forced_note(rec) -> str:
+    """What the reason says of durations found inside a stage that differ from the reference's."""
+    notes = []
+    for row in rec.stages:
+        d = (row.get("durations") or {}).get("chained") or (row.get("durations") or {}).get("local")
+        if d and d.get("forced"):
+            if not rec.durations:
+                rec.durations = {k: v for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool)}
+            notes.append(f"{d['tokens_differ']} of {d['tokens']} durations differ inside {row['stage']!r} "
+                         f"({d['frames']} frames, the reference {d['frames_reference']}): from there on the "
+                         f"stages ran with the reference's durations forced")
+    return "".join(f"; {n}" for n in notes)
 
 
 def boundary(name: str, traces) -> torch.Tensor:

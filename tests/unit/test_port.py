@@ -416,7 +416,7 @@ def test_a_chain_names_the_stage_with_the_defect(port_session, tmp_path, defect,
     from harness.report import item_table
 
     table = item_table(rec)
-    assert next(line for line in table.splitlines() if line.startswith("a ")).split()[-3:][0] == "DEFECT", table
+    assert "  DEFECT  " in next(line for line in table.splitlines() if line.startswith("a ")), table
     assert "defects (local error leaves its floor): a" in table
 
 
@@ -570,3 +570,53 @@ def test_a_vocoder_stage_without_a_random_op_is_judged_against_the_zero_noise_re
     local = row["outputs"]["audio"]["local"]
     assert local["ok"] and local["floor_ratio"] == 1.0 and "noise band" not in local["why"], local
     assert rec.verdict is Verdict.PASS and not rec.bands, rec.reason
+
+
+def front_with_durations(path: Path, durations: np.ndarray) -> Path:
+    """t_en -> asr with the durations inside (Round, Clip at 1: found by position), the alignment
+    built from them in the graph: a front cut at the aligned features."""
+    i64 = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    inits = [numpy_helper.from_array(durations.astype(np.float32), "dur_f"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one_f"), i64("zero", 0), i64("one", 1),
+             i64("ax0", [0]), i64("ax1", [1]), i64("axis", 0)]
+    n = helper.make_node
+    nodes = [n("Round", ["dur_f"], ["r"]), n("Clip", ["r", "one_f"], ["dur"]), n("Cast", ["dur"], ["di"], to=I64),
+             n("CumSum", ["di", "axis"], ["ends"]), n("Sub", ["ends", "di"], ["starts"]),
+             n("ReduceSum", ["di"], ["total"], keepdims=0), n("Range", ["zero", "total", "one"], ["frames"]),
+             n("Unsqueeze", ["starts", "ax1"], ["s1"]), n("Unsqueeze", ["ends", "ax1"], ["e1"]),
+             n("Unsqueeze", ["frames", "ax0"], ["f0"]), n("GreaterOrEqual", ["f0", "s1"], ["ge"]),
+             n("Less", ["f0", "e1"], ["lt"]), n("And", ["ge", "lt"], ["m"]), n("Cast", ["m"], ["aln"], to=F),
+             n("MatMul", ["t", "aln"], ["asr"])]
+    return _save(path, nodes, [helper.make_tensor_value_info("t", F, [1, 512, "T"])],
+                 [helper.make_tensor_value_info("asr", F, [1, 512, "F"])], inits)
+
+
+@pytest.mark.slow
+def test_durations_found_inside_a_stage_are_forced_so_the_later_stages_are_judged_on_the_reference_frames(
+        port_session, tmp_path):
+    """front (rounds one token's duration a frame longer inside it) -> b (asr -> asr): the front's
+    durations are found by position and the reference's forced, so neither stage is a shape
+    mismatch; the chain passes and the reason says how many durations differed where."""
+    from harness.verdict import Verdict
+
+    traces = port_session.traces("tiny")
+    durations = np.array(traces.pred_dur, np.float32)
+    durations[1] += 1
+    front_with_durations(tmp_path / "front.onnx", durations)
+    transform(tmp_path / "b.onnx", "x", "y", [1, 512, "F"], "none")
+    (tmp_path / "port.yaml").write_text(
+        "name: forced\nstages:\n"
+        "  - {name: front, artifact: front.onnx, inputs: {t: t_en}, outputs: {asr: asr}}\n"
+        "  - {name: b, artifact: b.onnx, inputs: {x: asr}, outputs: {y: asr}}\n")
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    rows = {r["stage"]: r for r in rec.stages}
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rows["front"]["durations"]["local"]["forced"] and rows["front"]["durations"]["local"]["tokens_differ"] == 1
+    assert rows["front"]["local_ok"] and rows["b"]["local_ok"] and rows["b"]["chained_ok"], rec.stages
+    assert f"1 of {len(durations)} durations differ inside 'front'" in rec.reason, rec.reason
+    assert rec.durations["tokens_differ"] == 1
+
+    np.testing.assert_array_equal(durations.round(), durations)  # the same front without the extra frame: no forcing
+    front_with_durations(tmp_path / "front.onnx", np.array(traces.pred_dur, np.float32))
+    _, clean = _run(port_session, str(tmp_path / "port.yaml"))
+    assert clean.verdict is Verdict.PASS and not clean.stages[0]["durations"]["local"]["forced"], clean.reason
