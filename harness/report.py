@@ -82,23 +82,32 @@ def item_table(rec: Record) -> str:
 
 
 def port_lines(rec: Record) -> list[str]:
-    """A port's stage table (local and chained error per stage output, the kind of difference)
+    """A port's stage table (local and chained error per stage output, the kind of difference, one
+    word per row: `row_word`), the stages named as defects (as the verdict's reason names them),
     and each audio metric beside its noise band (harness/port)."""
     lines = []
     if rec.stages:
-        rows = []
-        first = next((r.get("stage") for r in rec.stages if not r.get("local_ok", True)), None)
+        rows, defects = [], []
+        inside = (rec.bisect or {}).get("first_stage") if len(rec.stages) == 1 else None
         for row in rec.stages:
             bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
             stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
             for tensor, m in row["outputs"].items():
                 loc, ch = m["local"], m["chained"]
-                leaves = "LEAVES (first)" if row["stage"] == first else "LEAVES"
+                word = row_word(loc, ch)
+                if word == "DEFECT" and row["stage"] not in defects:
+                    defects.append(row["stage"])
+                kind = loc.get("kind", "") if word == "DEFECT" else ch.get("kind", "") or loc.get("kind", "")
                 rows.append([stage, tensor, _fmt(loc.get("rel_l2")), _fmt(loc.get("floor_rel_l2")),
-                             "ok" if loc.get("ok", True) else leaves, _fmt(ch.get("rel_l2")),
-                             "ok" if ch.get("ok", True) else "FAIL", ch.get("kind", "")])
-        lines.append(tabulate(rows, headers=["stage", "tensor", "local rel_l2", "floor", "local", "chained rel_l2",
-                                             "chained", "kind of difference"], tablefmt="simple"))
+                             _fmt(ch.get("rel_l2")), word, kind])
+        lines.append(tabulate(rows, headers=["stage", "tensor", "local rel_l2", "floor", "chained rel_l2", "row",
+                                             "kind of difference"], tablefmt="simple"))
+        lines.append("row: within (its local error within its floor), DEFECT (its local error leaves it), "
+                     "accumulated (within locally, the chain's error from earlier stages), not judged (why)")
+        if defects:
+            lines.append("defects (local error leaves its floor): " + ", ".join(
+                f"{d} (first)" if i == 0 and len(defects) > 1 else d for i, d in enumerate(defects))
+                + (f"; localized inside it to {inside}" if inside else ""))
     bands = {k: v for k, v in rec.bands.items() if "band" in v}
     if bands:
         rows = [[k, _fmt(v["value"]), f"[{_fmt(v['band'][0])}, {_fmt(v['band'][1])}]", v["direction"],
@@ -113,6 +122,20 @@ def port_lines(rec: Record) -> list[str]:
     return lines
 
 
+
+
+def row_word(local: dict, chained: dict) -> str:
+    """One word for a stage output's row, meaning one thing: DEFECT (the local error leaves its
+    floor: the stage's own), accumulated (within locally, the chained value leaves it: earlier
+    stages' error), not judged (and why: the noise band judges a stage that draws its own noise), or
+    within (both within). A NaN is never within: its row is a DEFECT or accumulated."""
+    if not local.get("ok", True):
+        return "DEFECT"
+    if not chained.get("ok", True):
+        return "accumulated"
+    if str(local.get("why", "")).startswith("draws its own noise"):
+        return "not judged: noise band"
+    return "within"
 
 
 def audit_lines(audit: dict) -> list[str]:

@@ -6,8 +6,9 @@ copy into the cache and run in a child process like every backend. Each stage is
 outputs, with the harness's host glue between them: durations -> alignment -> aligned features),
 as the app runs it. Per stage: the local error against its fp32 floor, the chained error, the kind
 of difference; durations where a stage outputs them; the audio of the last stage against the
-noise band when the stage draws its own noise. The reason names the first stage whose *local*
-error leaves its floor: a defect of its own, not the error the chain accumulated.
+noise band when the stage draws its own noise. The reason names every stage whose *local* error
+leaves its floor, in chain order: a defect of its own, not the error the chain accumulated. A value
+that is NaN or Inf where the reference is finite fails its row under every noise rule.
 
 A user's host glue (`glue:` in the port file) is judged like a stage, row `glue:<tensor>`: fed the
 reference's values (local) and the chain's (chained). A bucketed stage (`buckets:`) gets its
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 
 from . import tensors
+from .durations import FoundDurations, found_durations, run_with_durations
+from .noise import noise_inside, zero_noise_reference
 from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
 
 from ..model import SAMPLES_PER_FRAME
@@ -133,7 +136,9 @@ def port_audit(port: Port) -> dict:
     """What the record says about the port it ran: its stages and their mapping."""
     return {"name": port.name, "source": port.source,
             "stages": [{"name": s.name, "artifact": s.artifact, **({"step": s.step} if s.step else {}),
-                        "precision": s.precision, "inputs": {k: v.tensor for k, v in s.inputs.items()},
+                        "precision": s.precision, "noise": s.noise,
+                        **({"noise_found": True} if s.name in getattr(port, "found_noise", ()) else {}),
+                        "inputs": {k: v.tensor for k, v in s.inputs.items()},
                         "outputs": {k: v.tensor for k, v in s.outputs.items()}} for s in port.stages]}
 
 
@@ -156,8 +161,8 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     {"float32": ..., "float64": ...}} judged against instead of the plain reference (a backend's
     semantics-changing patches make their own variant, harness.reference.synthesizer_reference).
     Longer than 80 lines on purpose: the loop over stages shares the chained values, the user's
-    glue, the rows already judged and the first stage to leave its floor; the per-stage pieces
-    (glue, run, judge) are functions of their own, the loop reads as the chain runs.
+    glue, the rows already judged and the stages whose local error leaves its floor; the per-stage
+    pieces (glue, run, judge_stage) are functions of their own, the loop reads as the chain runs.
     """
     from ..verdict import Verdict
 
@@ -173,7 +178,7 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         except ValueError as e:
             raise PortError(str(e)) from None
     chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
-    first_local = None
+    defects: list[tuple[str, str, dict]] = []  # (stage, tensor, local metrics): each local error leaving its floor
     try:
         user = {name: UserGlue(spec, resolve_glue(spec, port.root)) for name, spec in port.spec.glue.items()}
     except ValueError as e:
@@ -208,12 +213,18 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
                 judged_glue.add((g.spec, tensor))
                 row = judge_glue(g, tensor, chained, traces, user, tol, stage)
                 rec.stages.append(row)
-                if not row["local_ok"] and first_local is None:
-                    first_local = (row["stage"], tensor, row["outputs"][tensor]["local"])
+                if not row["local_ok"]:
+                    defects.append((row["stage"], tensor, row["outputs"][tensor]["local"]))
         local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
         meta: dict = {}
-        local_out = run_stage(session, port, stage, local_in, rec, item, "local", traces,
-                              valid_lengths(traces) if stage.buckets else None, meta, steps)
+        found = stage_durations(port, stage, session.report_dir / "runs" / item.id / "durations")
+
+        def runner(role: str, valid):  # run_stage on the stage (or on its copy that finds its durations)
+            return lambda s, values: run_stage(session, port, s or stage, values, rec, item, role, traces, valid,
+                                               meta, steps)
+        local_out, durations = run_with_durations(runner("local", valid_lengths(traces) if stage.buckets else None),
+                                                  found, local_in, traces)
+        durations = {"local": durations} if durations else {}
         if local_out is None and compiled_not_run(rec):  # a Core ML chain off macOS: convert every stage
             compiled_only.append((stage.name, rec.reason))
             continue
@@ -225,34 +236,17 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         else:
             chain_in = {ref.tensor: own[ref.tensor](glue_view(chained, traces, user)) if ref.tensor in own
                         else glue(ref.tensor, chained, traces, user) for ref in stage.inputs.values()}
-            chained_out = run_stage(session, port, stage, chain_in, rec, item, "chained", traces,
-                                    valid_lengths(traces, chained, user) if stage.buckets else None, meta, steps)
+            chained_out, chained_dur = run_with_durations(
+                runner("chained", valid_lengths(traces, chained, user) if stage.buckets else None), found, chain_in,
+                traces)
+            if chained_dur:
+                durations["chained"] = chained_dur
             if chained_out is None:
                 return
             app_runs.append(stage_tag(port, stage, "chained"))
         chained.update(chained_out)
-        row = {"stage": stage.name, "artifact": stage.artifact, **({"step": stage.step} if stage.step else {}),
-               "precision": stage.precision, "outputs": {}}
-        if meta:
-            row["bucket"] = meta
-        own, note = stage_references(session, stage, local_in, traces, item, steps, references)
-        if note:
-            row["reference"] = note
-        for tensor in chained_out:
-            ref = {**((references or {}).get(tensor) or {}), **own.get(tensor, {})}
-            # the chained run took another bucket: its padded reference is not this one
-            chain_ref = ref if meta.get("chained", meta.get("local")) == meta.get("local") else \
-                {k: v for k, v in ref.items() if k not in ("float32", "float64", "exact", "bucket")} | \
-                dict(ref.get("exact", {}))
-            local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref or None)
-            chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
-                                                                        stage, chain_ref or None)
-            row["outputs"][tensor] = {"local": local, "chained": chain}
-            if not local.get("ok", True) and first_local is None:
-                first_local = (stage.name, tensor, local)
-        row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
-        row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
-        rec.stages.append(row)
+        rec.stages.append(judge_stage(session, stage, item, traces, tol, local_in, local_out, chained_out,
+                                      {"bucket": meta, "durations": durations}, steps, references, defects))
     if compiled_only:
         rec.verdict = Verdict.SKIPPED
         rec.reason = (f"{compiled_only[0][1]}; every stage compiled: "
@@ -265,15 +259,75 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
         rec.real_time = real_time(sum(rec.timings.get(f"{tag}run_s", 0.0) for tag in app_runs),
                                   chained["audio"].shape[-1] / SAMPLE_RATE)
     end(session, port, item, rec, chained, traces, case, local=local_out)
+    rec.reason += forced_note(rec)
     if len(port.stages) == 1 or rec.verdict is Verdict.PASS:
         pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
-    elif first_local is not None:
-        stage, tensor, m = first_local
-        rec.reason += (f"; first stage whose local error leaves its floor: {stage!r} ({tensor}: "
-                       f"{m.get('why', '')}; {m.get('kind', '')})")
+    elif defects:  # every stage the table reads DEFECT, in chain order
+        rec.reason += "; first stage whose local error leaves its floor: " + "; also: ".join(
+            f"{stage!r} ({tensor}: {m.get('why', '')}; {m.get('kind', '')})" for stage, tensor, m in defects)
     elif rec.verdict is not Verdict.PASS:
         rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
     rec.reason = rec.reason.lstrip("; ")
+
+
+def judge_stage(session, stage: StageSpec, item, traces, tol, local_in: dict, local_out: dict, chained_out: dict,
+                runs: dict, steps, references: dict | None, defects: list) -> dict:
+    """A stage's row: each output's local and chained values judged (against the reference the
+    stage's bucket, precision or noise asks for: stage_references), what its runs were (`runs`:
+    the bucket each took, the durations found inside it); a local error leaving its floor is
+    added to `defects` (once per stage)."""
+    meta, durations = runs["bucket"], runs["durations"]
+    row = {"stage": stage.name, "artifact": stage.artifact, **({"step": stage.step} if stage.step else {}),
+           "precision": stage.precision, "outputs": {}}
+    if meta:
+        row["bucket"] = meta
+    if durations:  # found inside the stage (harness.port.durations): the later stages ran on the reference's
+        row["durations"] = durations
+    own, note = stage_references(session, stage, local_in, traces, item, steps, references)
+    if stage.noise == "none" and noise_inside(stage) and "audio" in chained_out and "audio" not in own:
+        own["audio"] = zero_noise_reference(session, item.case)
+        note = "judged against the zero-noise reference (the stage draws no noise)"
+    if note:
+        row["reference"] = note
+    for tensor in chained_out:
+        ref = {**((references or {}).get(tensor) or {}), **own.get(tensor, {})}
+        # the chained run took another bucket: its padded reference is not this one
+        chain_ref = ref if meta.get("chained", meta.get("local")) == meta.get("local") else \
+            {k: v for k, v in ref.items() if k not in ("float32", "float64", "exact", "bucket")} | \
+            dict(ref.get("exact", {}))
+        local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref or None)
+        chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
+                                                                    stage, chain_ref or None)
+        row["outputs"][tensor] = {"local": local, "chained": chain}
+        if not local.get("ok", True) and stage.name not in {d[0] for d in defects}:
+            defects.append((stage.name, tensor, local))
+    row["local_ok"] = all(o["local"].get("ok", True) for o in row["outputs"].values())
+    row["chained_ok"] = all(o["chained"].get("ok", True) for o in row["outputs"].values())
+    return row
+
+
+def stage_durations(port: Port, stage: StageSpec, work: Path) -> FoundDurations | None:
+    """A stage's durations found inside it (harness.port.durations), or None; a graph that cannot
+    be read for it is one error naming the stage."""
+    try:
+        return found_durations(port, stage, work)
+    except Exception as e:  # noqa: BLE001 - a file onnx cannot read or infer: one error, named
+        raise PortError(f"stage {stage.name!r}, field 'artifact': cannot look for its durations: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def forced_note(rec) -> str:
+    """What the reason says of durations found inside a stage that differ from the reference's."""
+    notes = []
+    for row in rec.stages:
+        d = (row.get("durations") or {}).get("chained") or (row.get("durations") or {}).get("local")
+        if d and d.get("forced"):
+            if not rec.durations:
+                rec.durations = {k: v for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool)}
+            notes.append(f"{d['tokens_differ']} of {d['tokens']} durations differ inside {row['stage']!r} "
+                         f"({d['frames']} frames, the reference {d['frames_reference']}): from there on the "
+                         f"stages ran with the reference's durations forced")
+    return "".join(f"; {n}" for n in notes)
 
 
 def boundary(name: str, traces) -> torch.Tensor:
@@ -678,8 +732,9 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
     if tuple(value.shape) != tuple(ref32.shape):
         kind = (f"length {value.shape[-1] - ref32.shape[-1]:+d} samples" if name == "audio" and value.dim() == ref32.dim()
                 else "shape")
-        return {"ok": False, "why": f"shape {list(value.shape)} != reference {list(ref32.shape)}",
-                "kind": kind, "shape": list(value.shape)}
+        bad = nonfinite(value, None if torch.isfinite(ref32).all() else ref32)
+        return {"ok": False, "why": (f"{bad}; " if bad else "") + f"shape {list(value.shape)} != reference "
+                f"{list(ref32.shape)}", "kind": kind, "shape": list(value.shape)}
     ref64 = ref["float64"] if "float64" in ref else tensors.reference(name, traces, "float64")
     m = compare_to_floor(value, ref32, ref64)
     m["kind"] = difference_kind(value, ref64)
@@ -691,12 +746,31 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
             m["rewrite_drift_rel_l2"] = error_metrics(ref32, exact["float32"])["rel_l2"]
     if "float16" in ref:  # a float16 stage: float16 eager's own error is its floor, the fp32 one beside it
         apply_float16_floor(m, error_metrics(ref["float16"], ref.get("float16_base", ref64)), stage.precision)
+    bad = nonfinite(value, ref64)  # a NaN never passes: not by the noise band, not by any floor
+    if bad:
+        m["ok"], m["why"] = False, bad
+        return m
     t = tensors.VOCAB.get(name)
     if t is not None and t.stochastic and stage.noise == "own":
         m["ok"], m["why"] = True, "draws its own noise: judged by the noise band"
         return m
     m["ok"], m["why"] = comparator(tol)(m)
     return m
+
+
+def nonfinite(value: torch.Tensor, ref: torch.Tensor | None = None) -> str | None:
+    """"NaN: n of N values non-finite" (or "Inf: ...") when `value` holds NaN or Inf where `ref`
+    (when given, of the same shape) is finite; else None. Every judge puts it first in its reason."""
+    if not value.is_floating_point():
+        return None
+    bad = ~torch.isfinite(value)
+    if ref is not None and tuple(ref.shape) == tuple(value.shape):
+        bad &= torch.isfinite(ref)
+    n = int(bad.sum())
+    if not n:
+        return None
+    word = "NaN" if bool(torch.isnan(value[bad]).any()) else "Inf"
+    return f"{word}: {n} of {value.numel()} values non-finite"
 
 
 def difference_kind(out: torch.Tensor, ref: torch.Tensor) -> str:
@@ -757,12 +831,20 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
                 rec.durations = {k: v for k, v in c.items() if isinstance(v, int) and not isinstance(v, bool)}
             elif not c.get("ok", True):
                 failures.append(f"{row['stage']}:{tensor}: {c['why']}")
+            bad = next((m[r]["why"] for r in ("local", "chained") if _is_nonfinite(m[r])), None)
+            if bad and not c.get("why", "").startswith(("NaN", "Inf")):  # a local NaN fails the item too
+                failures.append(f"{row['stage']}:{tensor} (local): {bad}")
     if "audio" in values:
         audio = values["audio"]
         ref = traces.chain["audio"][0].double().numpy()  # run 0 of the noise band
+        if last.noise == "none" and noise_inside(last):  # it draws no noise: the zero-noise reference
+            ref = zero_noise_reference(session, item.case)["float32"][0].double().numpy()
         cand = audio.reshape(-1).double().numpy()
         rec.audio_metrics["audio"] = {**audio_metrics(ref, cand), "duration_s": len(cand) / SAMPLE_RATE}
         am = rec.audio_metrics["audio"]
+        bad = nonfinite(torch.from_numpy(cand))
+        if bad:
+            failures.append(f"audio: {bad}")
         if len(cand) != len(ref):
             failures.append(f"audio: {len(cand)} samples, the reference has {len(ref)} "
                             f"({(len(cand) - len(ref)) / 600:+.1f} frames)")
@@ -771,6 +853,8 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
             check = band_comparator(tol)
             for metric, direction in DIRECTIONS.items():
                 ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
+                if not math.isfinite(am.get(metric, math.nan)) and all(map(math.isfinite, band["band"][metric])):
+                    ok, why = False, f"NaN: {metric} is non-finite (its noise band is finite)"
                 rec.bands[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok,
                                      "direction": direction, "why": why, "k": band["k"]}
                 if not ok:
@@ -791,11 +875,16 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
             path = session.report_dir / "audio" / item.id / f"{role}.wav"
             write_wav(path, wav)
             rec.audio[role] = path.relative_to(session.report_dir).as_posix()
-    if failures:
+    if failures:  # a non-finite value first: no other figure of the item means anything beside it
+        failures.sort(key=lambda f: not any(w in f for w in (": NaN: ", ": Inf: ")))
         rec.verdict, rec.reason = Verdict.FAIL, "; ".join(failures)
     else:
         parts = [f"{k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v]
         rec.verdict, rec.reason = Verdict.PASS, "; ".join(parts) or "every stage within its floor"
+
+
+def _is_nonfinite(m: dict) -> bool:
+    return not m.get("ok", True) and m.get("why", "").startswith(("NaN: ", "Inf: "))
 
 
 def session_k(session) -> int:

@@ -9,15 +9,25 @@ against run 0 gives the spread that noise alone produces. An artifact's metric p
 that band widened by the tolerance profile's `band_margin` (a fraction of the band's width) on
 the side that matters. A zero-noise run is kept as well: an artifact that adds no noise is then
 compared with it sample by sample (its error is the artifact's own).
+
+A stage's noise rule (`stage_noise`) is found from the stage itself, as the whole-model
+localization finds it (`onnx_stages.draws_noise`): `inputs` when a noise tensor is among its
+inputs, `own` when its graph draws random numbers, else `none`; `noise:` in a port file only
+overrides. A `none` stage whose noise would arise inside it (its outputs are noise-dependent, its
+inputs are not) is judged against the zero-noise reference (`zero_noise_reference`).
 """
 from __future__ import annotations
 
+import copy
 import math
+from pathlib import Path
 
 import torch
 
 from ..plumbing import cache
 from ..plumbing.files import atomic_write, content_key
+from . import tensors
+from .onnx_stages import draws_noise
 
 BAND_VERSION = 1
 DEFAULT_K = 16
@@ -74,3 +84,58 @@ def noise_band(model, case, traces, k: int = DEFAULT_K) -> dict:
 def _range(values: list[float]) -> list[float]:
     finite = [v for v in values if not math.isnan(v)]
     return [min(finite), max(finite)] if finite else [math.nan, math.nan]
+
+
+# ---- a stage's noise rule, found from the stage ---------------------------------------------------
+
+def stage_noise(stage, root: Path) -> str:
+    """`own`, `inputs` or `none` for a stage the port file says nothing about: a noise tensor among
+    its inputs, else random ops in its graph (an ONNX's Random* ops; a format the harness cannot
+    read without its runtime, or a missing file, is assumed to draw its own)."""
+    if stage.noise is not None:
+        return stage.noise
+    if any(r.tensor in tensors.NOISE for r in stage.inputs.values()):
+        return "inputs"
+    if stage.step is not None:
+        return "none"  # a harness step is exported with its noise as inputs (noise_as_input)
+    files = stage.files(root)
+    if not files or files[0].suffix.lower() != ".onnx" or not files[0].is_file():
+        return "own"
+    import onnx
+
+    return "own" if any(draws_noise(onnx.load(str(f), load_external_data=False)) for f in files) else "none"
+
+
+def noise_inside(stage) -> bool:
+    """Whether the stage's noise would arise inside it: it outputs a noise-dependent tensor (the
+    audio) and takes none (no noise, no audio, no module reference inside the generator, where the
+    harmonic source's output flows)."""
+    def carries(name: str) -> bool:
+        t = tensors.VOCAB.get(name)
+        return t.stochastic if t is not None else name.startswith("decoder.generator.")
+
+    return (any(carries(r.tensor) for r in stage.outputs.values())
+            and not any(carries(r.tensor) for r in stage.inputs.values()))
+
+
+def zero_noise_reference(session, case_id: str) -> dict[str, torch.Tensor]:
+    """{"float32", "float64"}: the reference decoder's audio on the case's reference inputs with
+    every noise input zero (what a stage that draws no noise computes), once per session and case."""
+    from ..patches import apply_patches, to_float64
+    from ..reference import REFERENCE_PATCHES
+
+    memo = vars(session).setdefault("zero_noise_references", {})
+    if case_id not in memo:
+        chain = session.traces(case_id).chain
+        km32 = apply_patches(session.model.kmodel, REFERENCE_PATCHES["dynamic"])
+        km64 = to_float64(copy.deepcopy(km32))
+        zero = {n: torch.zeros_like(chain[n]) for n in tensors.NOISE}
+        inputs64 = {k: chain[k].double() for k in ("asr", "F0_pred", "N_pred", "s_dec")}
+        default = torch.get_default_dtype()
+        try:  # what kokoro allocates with torch.zeros follows the default dtype
+            torch.set_default_dtype(torch.float64)
+            audio64 = _decoder_audio(km64, inputs64, {k: v.double() for k, v in zero.items()})
+        finally:
+            torch.set_default_dtype(default)
+        memo[case_id] = {"float32": _decoder_audio(km32, chain, zero), "float64": audio64}
+    return memo[case_id]

@@ -470,7 +470,7 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
     """Fill `entry["chained"]` and `entry["local"]` (rel L2, its fp32 floor, ok, kind of difference)
     from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it)."""
     from ..metrics.tensor import compare_to_floor
-    from .chain import difference_kind
+    from .chain import difference_kind, nonfinite
 
     for role in ("chained", "local"):
         value = row.get(role)
@@ -484,9 +484,10 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
             continue
         m = compare_to_floor(value, a32, a64)
         ok, why = check(m)
-        noise = stochastic(role)
-        entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok or noise,
-                       "why": why if not noise else "phase/noise dependent: the audio band judges it",
+        bad = nonfinite(value, a64)  # a NaN never passes, noise-dependent or not
+        noise = stochastic(role) and not bad
+        entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": (ok or noise) and not bad,
+                       "why": bad or (why if not noise else "phase/noise dependent: the audio band judges it"),
                        "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1))}
     return entry
 

@@ -7,7 +7,7 @@ work starts and raises ONE `PortError` naming the file, the stage and the field.
       - name: whole
         artifact: kokoro-v1.0.int8.onnx   # relative to this file; or synth_{frames}.onnx + buckets
         precision: int8                   # optional: the profile's `step: int8` overrides apply
-        noise: own                        # own (draws its own or none) | inputs (noise is an input)
+        noise: own                        # optional: own | inputs | none (found when not given)
         inputs:  {tokens: input_ids, style: ref_s, speed: speed}
         outputs: {audio: audio}           # or {audio: {tensor: audio, dtype: int16}}
 
@@ -38,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import tensors
+from .noise import stage_noise
 
 # What the case gives a port's first stage, and what the host glue derives between stages
 # (the harness's own reference code: steps.build_alignment, the matmuls of run_chain).
@@ -73,7 +74,7 @@ class TensorRef(BaseModel):
 
 
 def _ref(v):
-    return {"tensor": v} if isinstance(v, str) else v
+    return {"tensor": v} if isinstance(v, str) else v  # anything else: pydantic names what it is
 
 
 class StageSpec(BaseModel):
@@ -85,14 +86,16 @@ class StageSpec(BaseModel):
     # (`case`: the case file's own bucket); a `step:` stage is bucketed in static mode only
     buckets: list[int] | dict[str, list[int] | Literal["case"]] | None = None
     precision: Literal["float32", "float16", "int8"] = "float32"
-    noise: Literal["own", "inputs", "none"] = "own"
+    # own (draws its own: the noise band) | inputs (noise is an input) | none (draws none); when the
+    # file says nothing, found from the stage by load_port (harness.port.noise.stage_noise)
+    noise: Literal["own", "inputs", "none"] | None = None
     inputs: dict[str, TensorRef]
     outputs: dict[str, TensorRef]
 
     @field_validator("inputs", "outputs", mode="before")
     @classmethod
     def _refs(cls, v):
-        return {k: _ref(x) for k, x in (v or {}).items()}
+        return {k: _ref(x) for k, x in v.items()} if isinstance(v, dict) else ({} if v is None else v)
 
     @property
     def bucket_unit(self) -> str | None:
@@ -163,6 +166,7 @@ class Port:
 
     def __init__(self, spec: PortSpec, root: Path, source: str):
         self.spec, self.root, self.source = spec, Path(root), source
+        self.found_noise: set[str] = set()  # the stages whose noise rule was found, not given
 
     @property
     def name(self) -> str:
@@ -206,6 +210,100 @@ def _where(source: str, stage: str | None, field: str) -> str:
     return f"port {source}" + (f", stage {stage!r}" if stage else "") + f", field {field!r}"
 
 
+# ---- pydantic's errors in the port file's terms: one line naming the file, the stage, the field ----
+
+def validation_message(source: str, data, e: ValidationError) -> str:
+    """The first mistake of the file (for a union such as `buckets`, the branch the value's type
+    picks) as `port FILE, stage 'S', field 'F': what was expected, got what`."""
+    errors = e.errors()
+    err = next((x for x in errors if _branch_fits(data, x["loc"])), errors[0])
+    loc, stage = list(err["loc"]), None
+    if len(loc) > 1 and loc[0] == "stages" and isinstance(loc[1], int):
+        entry = _follow(data, loc[:2])
+        name = entry.get("name") if isinstance(entry, dict) else None
+        stage = name if isinstance(name, str) and name else f"#{loc[1]}"
+        loc = loc[2:]
+    as_key = "[key]" in loc
+    # pydantic's union tags (`list[int]`) are not fields of the file, nor a tensor reference's `tensor`
+    parts = [str(x) for x in loc if not _is_tag(x)]
+    if len(parts) >= 3 and parts[-1] == "tensor" and parts[0] in ("inputs", "outputs"):
+        parts = parts[:-1]
+    field = ".".join(parts) or ("(stage)" if stage else "(top)")
+    return f"{_where(source, stage, field)}: {_expected(err, parts, as_key, stage is not None)}"
+
+
+def _is_tag(x) -> bool:
+    return isinstance(x, str) and "[" in x
+
+
+def _follow(data, loc):
+    """The file's value at a pydantic location (tags skipped), or None."""
+    for x in loc:
+        if _is_tag(x):
+            continue
+        if isinstance(data, dict) and x in data:
+            data = data[x]
+        elif isinstance(data, list) and isinstance(x, int) and x < len(data):
+            data = data[x]
+        else:
+            return None
+    return data
+
+
+def _branch_fits(data, loc) -> bool:
+    """Whether every union branch along `loc` is the one the file's value there has the type of."""
+    for i, x in enumerate(loc):
+        if _is_tag(x) and x != "[key]":
+            value = _follow(data, loc[:i])
+            kind = {list: "list", dict: "dict", str: "literal", int: "int"}.get(type(value))
+            if kind is None or not x.startswith(kind):
+                return False
+    return True
+
+
+def _got(v) -> str:
+    if v is None:
+        return "nothing"
+    text = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+    what = ("true/false" if isinstance(v, bool) else "a number" if isinstance(v, (int, float)) else "text"
+            if isinstance(v, str) else "a list" if isinstance(v, list) else "a mapping" if isinstance(v, dict)
+            else type(v).__name__)
+    return f"{what} {text}" if isinstance(v, (list, dict)) else f"{text} ({what})"
+
+
+FIELDS = {"(top)": "name, glue, stages", "stage": "name, artifact, step, buckets, precision, noise, inputs, outputs",
+          "tensor": "tensor, dtype, glue"}
+
+
+def _expected(err: dict, parts: list[str], as_key: bool, in_stage: bool) -> str:
+    kind, value = err["type"], err.get("input")
+    if parts == ["buckets"] and kind in ("list_type", "dict_type"):
+        return f"expected a list of sizes or a mapping {{unit: sizes}}, got {_got(value)}"
+    ref = len(parts) == 2 and parts[0] in ("inputs", "outputs")  # `inputs.x`: a tensor reference
+    if kind == "value_error":
+        return err["msg"].removeprefix("Value error, ")
+    if kind == "missing":
+        return "missing (required)"
+    if kind == "extra_forbidden":
+        level = "tensor" if len(parts) == 3 and parts[0] in ("inputs", "outputs") else \
+            "stage" if len(parts) == 1 and parts[0] not in FIELDS["(top)"].split(", ") else "(top)"
+        return f"unknown field {parts[-1]!r}; the fields here are: {FIELDS[level]}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        want = ("a Kokoro tensor name, or a mapping {tensor: NAME, dtype: ..., glue: ...}" if ref
+                else "a mapping of names to Kokoro tensors" if parts and parts[-1] in ("inputs", "outputs")
+                else "a stage: a mapping (name:, artifact:, inputs:, outputs:)" if not parts and in_stage
+                else "a port: a mapping (name:, stages:)" if not parts
+                else "a mapping of Kokoro tensors to `package.module:function`" if parts == ["glue"]
+                else "a mapping")
+        return f"expected {want}, got {_got(value)}"
+    if kind == "list_type":
+        return f"expected a list, got {_got(value)}"
+    if kind == "string_type":
+        return f"expected a name (text){' as the key' if as_key else ''}, got {_got(value)}"
+    msg = err["msg"].replace("Input should be", "expected")
+    return f"{msg}, got {_got(value)}"
+
+
 def load_port(path: str | Path, describe_artifacts: bool = True) -> Port:
     """Read and validate a port file whole; one PortError naming file, stage and field."""
     path = Path(path)
@@ -214,23 +312,17 @@ def load_port(path: str | Path, describe_artifacts: bool = True) -> Port:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise PortError(f"port {path}: not valid YAML ({e})") from None
+        raise PortError(f"port {path}: not valid YAML ({' '.join(str(e).split())})") from None
     try:
         spec = PortSpec.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = err["loc"]
-        stage = None
-        if len(loc) > 1 and loc[0] == "stages" and isinstance(loc[1], int):
-            stages = (data or {}).get("stages") or []
-            stage = stages[loc[1]].get("name", f"#{loc[1]}") if loc[1] < len(stages) and isinstance(
-                stages[loc[1]], dict) else f"#{loc[1]}"
-            loc = loc[2:]
-        # pydantic's union tags (`list[int]`) are not fields of the file
-        field = ".".join(str(x) for x in loc if x != "tensor" and "[" not in str(x)) or "(top)"
-        raise PortError(f"{_where(str(path), stage, field)}: {err['msg']}") from None
+        raise PortError(validation_message(str(path), data, e)) from None
     port = Port(spec, path.parent, str(path))
     validate(port, describe_artifacts)
+    for stage in port.stages:  # `noise:` only overrides: a stage without it has its rule found
+        if stage.noise is None:
+            stage.noise = stage_noise(stage, port.root)
+            port.found_noise.add(stage.name)
     return port
 
 
@@ -480,7 +572,9 @@ def whole_model_port(artifact: str | Path) -> Port:
                         f"{[q.name for q in outs]}")
     precision = "int8" if _is_int8(artifact) else "float32"
     spec = PortSpec(name=artifact.stem.replace(".", "_"), stages=[StageSpec(
-        name="whole", artifact=str(artifact), precision=precision, inputs=inputs, outputs=outputs)])
+        name="whole", artifact=str(artifact), precision=precision, noise="own", inputs=inputs, outputs=outputs)])
+    # a whole model is judged by the noise band (random ops or not; the zero-noise comparison is
+    # printed beside it, and `--bisect` finds the graph's noise itself)
     port = Port(spec, artifact.parent, source)
     for io_name, ref in spec.stages[0].inputs.items():
         check_fits(port, spec.stages[0], "inputs", io_name, ref, next(q for q in ins if q.name == io_name), artifact)

@@ -124,9 +124,10 @@ def test_the_terminal_stage_table_marks_the_first_leaving_stage_and_the_buckets(
     rec = Record(d["case"], d["step"], d["backend"], d["mode"], Verdict.FAIL, d["reason"], stages=d["stages"])
     lines = item_table(rec).splitlines()
     vocoder = next(line for line in lines if line.startswith("vocoder"))
-    assert vocoder.startswith("vocoder [256]") and "LEAVES (first)" in vocoder
+    assert vocoder.startswith("vocoder [256]") and "DEFECT" in vocoder
     tail = next(line for line in lines if line.startswith("tail "))
-    assert "LEAVES" in tail and "(first)" not in tail
+    assert "DEFECT" in tail
+    assert "defects (local error leaves its floor): vocoder (first), tail" in lines
 
 
 def test_a_port_audit_with_lists_renders_and_a_step_stage_names_its_step(tmp_path):

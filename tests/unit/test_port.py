@@ -105,6 +105,46 @@ def test_bad_port_files_give_one_clear_error_naming_file_stage_and_field(tmp_pat
         assert str(tmp_path / "port.yaml") in str(e.value)
 
 
+OK_PORT = "name: p\nstages:\n  - name: s1\n    artifact: a.onnx\n    inputs: {x: asr}\n    outputs: {y: asr}\n"
+
+
+@pytest.mark.parametrize("text,stage,field,says", [
+    (OK_PORT.replace("{x: asr}", "[1, 2]"), "s1", "inputs", "expected a mapping of names to Kokoro tensors, got a list"),
+    (OK_PORT.replace("{y: asr}", "{y: 5}"), "s1", "outputs.y", "expected a Kokoro tensor name, or a mapping"),
+    (OK_PORT.replace("{y: asr}", "{y: {tensor: [asr]}}"), "s1", "outputs.y", "expected a name (text), got a list"),
+    (OK_PORT.replace("name: s1", "name: 3"), "#0", "name", "expected a name (text), got 3 (a number)"),
+    (OK_PORT.replace("{x: asr}", "{1: asr}"), "s1", "inputs.1", "expected a name (text) as the key, got 1"),
+    (OK_PORT.replace("a.onnx", "[a.onnx]"), "s1", "artifact", "expected a name (text), got a list"),
+    (OK_PORT.replace("{y: asr}", "{y: {tensor: asr, dtype: 16}}"), "s1", "outputs.y.dtype", "got 16 (a number)"),
+    (OK_PORT.replace("{y: asr}", "{y: {tensor: asr, dtyp: int32}}"), "s1", "outputs.y.dtyp", "unknown field 'dtyp'"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    noise: 1\n"), "s1", "noise", "expected 'own', 'inputs' or 'none'"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    precision: int4\n"), "s1", "precision", "got 'int4' (text)"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    buckets: {frames: [a]}\n"), "s1", "buckets.frames.0",
+     "expected a valid integer"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    buckets: nope\n"), "s1", "buckets", "a list of sizes or a mapping"),
+    (OK_PORT.replace("    inputs: {x: asr}\n", ""), "s1", "inputs", "missing (required)"),
+    ("name: p\nstages:\n  - s1\n", "#0", "(stage)", "expected a stage: a mapping"),
+    ("name: p\nstages: {s1: a.onnx}\n", None, "stages", "expected a list, got a mapping"),
+    (OK_PORT.replace("stages:", "glue: [aln]\nstages:"), None, "glue", "expected a mapping of Kokoro tensors"),
+    ("- name: p\n", None, "(top)", "expected a port: a mapping (name:, stages:), got a list"),
+])
+def test_every_malformed_port_file_is_one_error_naming_file_stage_and_field(tmp_path, capsys, text, stage, field,
+                                                                              says):
+    """Wrong types anywhere (a list for a mapping, a number for a name, an unknown key): one
+    PortError naming the file, the stage and the field, never a traceback; `port check` exits 2
+    with that one line."""
+    from harness.cli import main
+
+    path = _write(tmp_path, text)
+    with pytest.raises(PortError) as e:
+        load_port(path)
+    where = f"port {path}" + (f", stage {stage!r}" if stage else "") + f", field {field!r}: "
+    assert str(e.value).startswith(where) and says in str(e.value), e.value
+    assert "\n" not in str(e.value)
+    assert main(["port", "check", str(path)]) == 2
+    assert capsys.readouterr().err == f"kokoro-parity: error: {e.value}\n"
+
+
 # ---- the user's host glue (`glue: package.module:function`), called with the Kokoro tensors so far
 
 def aln_by_cumsum(values):
@@ -375,7 +415,9 @@ def test_a_chain_names_the_stage_with_the_defect(port_session, tmp_path, defect,
     assert rec.verdict is Verdict.FAIL and "first stage whose local error leaves its floor: 'a'" in rec.reason
     from harness.report import item_table
 
-    assert "LEAVES" in item_table(rec)
+    table = item_table(rec)
+    assert "  DEFECT  " in next(line for line in table.splitlines() if line.startswith("a ")), table
+    assert "defects (local error leaves its floor): a" in table
 
 
 def _head(session, tmp_path) -> str:
@@ -508,3 +550,73 @@ def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, cas
     if b.get("repro"):
         done = subprocess.run([sys.executable, str(Path(b["repro"]) / "repro.py")], capture_output=True, text=True)
         assert done.returncode in (0, 1), done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_vocoder_stage_without_a_random_op_is_judged_against_the_zero_noise_reference(port_session, tmp_path):
+    """The port file says nothing about noise; the stage's graph draws none: its audio is judged
+    sample by sample against the reference with every noise input zero (not by the noise band)."""
+    from harness.port.noise import zero_noise_reference
+    from harness.verdict import Verdict
+
+    zero = zero_noise_reference(port_session, "tiny")["float32"]
+    replay(tmp_path / "voc.onnx", {"x": (F, [1, 512, "F"])}, "audio", zero.numpy())
+    (tmp_path / "port.yaml").write_text(
+        "name: voc\nstages:\n  - {name: voc, artifact: voc.onnx, inputs: {x: asr}, outputs: {audio: audio}}\n")
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    row = rec.stages[0]
+    assert rec.audit["port"]["stages"][0]["noise"] == "none" and rec.audit["port"]["stages"][0]["noise_found"]
+    assert row["reference"].startswith("judged against the zero-noise reference"), row
+    local = row["outputs"]["audio"]["local"]
+    assert local["ok"] and local["floor_ratio"] == 1.0 and "noise band" not in local["why"], local
+    assert rec.verdict is Verdict.PASS and not rec.bands, rec.reason
+
+
+def front_with_durations(path: Path, durations: np.ndarray) -> Path:
+    """t_en -> asr with the durations inside (Round, Clip at 1: found by position), the alignment
+    built from them in the graph: a front cut at the aligned features."""
+    i64 = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    inits = [numpy_helper.from_array(durations.astype(np.float32), "dur_f"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one_f"), i64("zero", 0), i64("one", 1),
+             i64("ax0", [0]), i64("ax1", [1]), i64("axis", 0)]
+    n = helper.make_node
+    nodes = [n("Round", ["dur_f"], ["r"]), n("Clip", ["r", "one_f"], ["dur"]), n("Cast", ["dur"], ["di"], to=I64),
+             n("CumSum", ["di", "axis"], ["ends"]), n("Sub", ["ends", "di"], ["starts"]),
+             n("ReduceSum", ["di"], ["total"], keepdims=0), n("Range", ["zero", "total", "one"], ["frames"]),
+             n("Unsqueeze", ["starts", "ax1"], ["s1"]), n("Unsqueeze", ["ends", "ax1"], ["e1"]),
+             n("Unsqueeze", ["frames", "ax0"], ["f0"]), n("GreaterOrEqual", ["f0", "s1"], ["ge"]),
+             n("Less", ["f0", "e1"], ["lt"]), n("And", ["ge", "lt"], ["m"]), n("Cast", ["m"], ["aln"], to=F),
+             n("MatMul", ["t", "aln"], ["asr"])]
+    return _save(path, nodes, [helper.make_tensor_value_info("t", F, [1, 512, "T"])],
+                 [helper.make_tensor_value_info("asr", F, [1, 512, "F"])], inits)
+
+
+@pytest.mark.slow
+def test_durations_found_inside_a_stage_are_forced_so_the_later_stages_are_judged_on_the_reference_frames(
+        port_session, tmp_path):
+    """front (rounds one token's duration a frame longer inside it) -> b (asr -> asr): the front's
+    durations are found by position and the reference's forced, so neither stage is a shape
+    mismatch; the chain passes and the reason says how many durations differed where."""
+    from harness.verdict import Verdict
+
+    traces = port_session.traces("tiny")
+    durations = np.array(traces.pred_dur, np.float32)
+    durations[1] += 1
+    front_with_durations(tmp_path / "front.onnx", durations)
+    transform(tmp_path / "b.onnx", "x", "y", [1, 512, "F"], "none")
+    (tmp_path / "port.yaml").write_text(
+        "name: forced\nstages:\n"
+        "  - {name: front, artifact: front.onnx, inputs: {t: t_en}, outputs: {asr: asr}}\n"
+        "  - {name: b, artifact: b.onnx, inputs: {x: asr}, outputs: {y: asr}}\n")
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    rows = {r["stage"]: r for r in rec.stages}
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rows["front"]["durations"]["local"]["forced"] and rows["front"]["durations"]["local"]["tokens_differ"] == 1
+    assert rows["front"]["local_ok"] and rows["b"]["local_ok"] and rows["b"]["chained_ok"], rec.stages
+    assert f"1 of {len(durations)} durations differ inside 'front'" in rec.reason, rec.reason
+    assert rec.durations["tokens_differ"] == 1
+
+    np.testing.assert_array_equal(durations.round(), durations)  # the same front without the extra frame: no forcing
+    front_with_durations(tmp_path / "front.onnx", np.array(traces.pred_dur, np.float32))
+    _, clean = _run(port_session, str(tmp_path / "port.yaml"))
+    assert clean.verdict is Verdict.PASS and not clean.stages[0]["durations"]["local"]["forced"], clean.reason
