@@ -48,7 +48,7 @@ bench: install
 	$(MAKE) bench-bisect
 
 # Bisection through each compiling backend: one seeded decoder fault each (en_short, dynamic), with
-# its compiles and wall time; the 10-fault trial of issue 22 is BISECT_FAULTS=10 BISECT_BACKENDS=xnnpack.
+# its compiles and wall time; the 10-fault trial of docs/bisection.md is BISECT_FAULTS=10 BISECT_BACKENDS=xnnpack.
 BISECT_BACKENDS ?= xnnpack portable onnxruntime tvm
 BISECT_FAULTS ?= 1
 bench-bisect: install

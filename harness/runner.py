@@ -88,6 +88,7 @@ class Session:
     reuse_only: bool = False  # and never export, compile or run: what this cache does not hold is SKIPPED
     noise_k: int | None = None  # reference runs with other noise seeds for the noise band (harness.port.noise)
     described_artifacts: dict = field(default_factory=dict)  # artifact key -> its described ports (port chains)
+    zero_noise_references: dict = field(default_factory=dict)  # case -> the decoder's audio with no noise (port.noise)
     _model: object = None
     _targets: dict = field(default_factory=dict)
     _traces: dict = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Core ML conversions of the example splits (issue 21): each stage's torch module
+"""Core ML conversions of the example splits: each stage's torch module
 (harness/port/splits.py) exported with torch.export and converted by coremltools to an mlprogram
 `<stage>.mlpackage`, by the route and graph fixes of the `coreml-*` backends
 (harness/backends/coreml.py `_inference_ir`), with `port-coreml.yaml` beside them.

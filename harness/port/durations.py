@@ -1,10 +1,10 @@
 """Durations found inside a chain stage: a stage that rounds its own durations and builds its
 frames from them (a front cut at the aligned features), as the whole-model localization does.
 
-Its rounded durations are found by position (`onnx_stages.durations_tensor`: Round, then Clip or
-Max) and read from a copy that outputs them too (`onnx_stages.marked_copy`). When they differ
+Its rounded durations are found by position (`onnx_graph.durations_tensor`: Round, then Clip or
+Max) and read from a copy that outputs them too (`onnx_graph.marked_copy`). When they differ
 from the reference's, the stage is run again on a copy where they are an input
-(`onnx_stages.force_input`) fed the reference's: its outputs, and every later stage, are then on
+(`onnx_graph.force_input`) fed the reference's: its outputs, and every later stage, are then on
 the reference's frames and judged there, as the whole-model path judges a file whose durations
 round differently; the difference itself is reported (`row["durations"]`), not a shape mismatch.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..plumbing.files import content_key
-from .onnx_stages import durations_tensor, force_input, marked_copy
+from .onnx_graph import durations_tensor, force_input, marked_copy
 from .portfile import Port, StageSpec, TensorRef
 
 

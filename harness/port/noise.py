@@ -11,7 +11,7 @@ the side that matters. A zero-noise run is kept as well: an artifact that adds n
 compared with it sample by sample (its error is the artifact's own).
 
 A stage's noise rule (`stage_noise`) is found from the stage itself, as the whole-model
-localization finds it (`onnx_stages.draws_noise`): `inputs` when a noise tensor is among its
+localization finds it (`onnx_graph.draws_noise`): `inputs` when a noise tensor is among its
 inputs, `own` when its graph draws random numbers, else `none`; `noise:` in a port file only
 overrides. A `none` stage whose noise would arise inside it (its outputs are noise-dependent, its
 inputs are not) is judged against the zero-noise reference (`zero_noise_reference`).
@@ -27,7 +27,7 @@ import torch
 from ..plumbing import cache
 from ..plumbing.files import atomic_write, content_key
 from . import tensors
-from .onnx_stages import draws_noise
+from .onnx_graph import draws_noise
 
 BAND_VERSION = 1
 DEFAULT_K = 16
@@ -124,7 +124,7 @@ def zero_noise_reference(session, case_id: str) -> dict[str, torch.Tensor]:
     from ..patches import apply_patches, to_float64
     from ..reference import REFERENCE_PATCHES
 
-    memo = vars(session).setdefault("zero_noise_references", {})
+    memo = session.zero_noise_references
     if case_id not in memo:
         chain = session.traces(case_id).chain
         km32 = apply_patches(session.model.kmodel, REFERENCE_PATCHES["dynamic"])

@@ -1,4 +1,4 @@
-"""The example splits of Kokoro that shipped ports use (issue 21): the 3-stage split (duration |
+"""The example splits of Kokoro that shipped ports use: the 3-stage split (duration |
 alignment on the host | prosody | decoder) and the 7-stage one (Albert | PostAlbert | Alignment |
 Prosody | Noise | Vocoder up to `conv_post` | Tail), each stage a small torch module around the
 model's own submodules, exported to ONNX with its port file (examples/kokoro-3stage,

@@ -1,0 +1,90 @@
+"""An ONNX graph read and rewritten without running the harness: which node belongs to which
+Kokoro module, whether it draws noise, where its durations are, copies with tensors marked as
+outputs or forced as inputs, and a plain onnxruntime run. A leaf of harness.port: the chain, the
+noise rules, the durations and the localization all use it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def node_module(name: str) -> str | None:
+    from ..onnx_rebuild import _node_path
+
+    try:
+        path = _node_path(name)
+    except ValueError:
+        return None
+    return re.sub(r"_\d+(?=\.|$)", "", path)
+
+
+def draws_noise(model) -> bool:
+    return any(n.op_type in RANDOM_OPS for n in model.graph.node)
+
+
+def durations_tensor(model) -> str | None:
+    """The rounded, clamped durations (Round then Clip/Max under /encoder): found by position."""
+    graph = model.graph
+    rounds = {n.output[0] for n in graph.node if n.op_type == "Round"}
+    for n in graph.node:
+        if n.op_type in ("Clip", "Max") and n.input and n.input[0] in rounds:
+            return n.output[0]
+    return None
+
+
+def marked_copy(src: Path, dest: Path, tensors: list[str]) -> Path:
+    """The ONNX with `tensors` added as graph outputs (types left to onnxruntime)."""
+    import onnx
+
+    model = onnx.load(str(src))
+    have = {o.name for o in model.graph.output}
+    for t in tensors:
+        if t not in have:
+            model.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+            have.add(t)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dest))
+    return dest
+
+
+def run_onnx(path: Path, feed: dict, outputs: list[str] | None = None) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    types = {i.name: i.type for i in sess.get_inputs()}
+    np_types = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+                "tensor(float16)": np.float16, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+    feed = {k: np.ascontiguousarray(np.asarray(v).astype(np_types.get(types[k], None) or np.asarray(v).dtype))
+            for k, v in feed.items() if k in types}
+    names = outputs or [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feed)))
+
+
+def depends_on_inputs(model) -> set[str]:
+    """The tensors that depend on a graph input (the others are computed from weights alone)."""
+    seen = {i.name for i in model.graph.input}
+    for n in model.graph.node:  # ONNX nodes are topologically sorted
+        if any(x in seen for x in n.input):
+            seen.update(n.output)
+    return seen
+
+
+def force_input(src: Path, dest: Path, tensor: str, dtype) -> Path:
+    """A copy of the ONNX where `tensor` is a graph input: its producing node is removed."""
+    import onnx
+
+    model = onnx.load(str(src))
+    nodes = [n for n in model.graph.node if tensor not in n.output]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    model.graph.input.append(onnx.helper.make_tensor_value_info(tensor, elem, None))
+    onnx.save(model, str(dest))
+    return dest
