@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import admission, cache
 from .files import atomic_write_json
 
 
@@ -123,8 +125,6 @@ def _vm_hwm_mb(pid: int | str = "self") -> float:
 def own_peak_rss_mb() -> float:
     """This process's peak RSS since exec, and that of the processes it started and reaped (whose
     figures can only exceed ours by their own allocations: they forked from us)."""
-    import resource
-
     return max(_vm_hwm_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
 
 
@@ -150,8 +150,6 @@ def cached_job(kind: str, key: str, function: str, timeout: float, make_kwargs, 
     the job fails. Returns (entry, None) on a hit, else (entry, the job's result). With
     `admission_key`, the job first waits for the memory its last run peaked at (admission.py).
     `counts` (a Counter) gets `<kind>_hits` / `<kind>_misses`."""
-    from . import admission, cache
-
     entry = cache.entry(kind, key)
     if cache.lookup(kind, key):
         if counts is not None:
