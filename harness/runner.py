@@ -9,7 +9,6 @@ reads the records this writes.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from .backends import Backend, get_backend
 from .bisect import BISECTABLE, bisect_item
 from .cases import Case, case_dirs, configured_dirs, load_cases
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors
-from .plumbing.jobs import cached_job
+from .plumbing.jobs import Limits, cached_job
 from .record import Record, backend_label, failed, item_id, skip_compiled_not_run, versions
 from .reference import MODES
 from .verdict import Profile, Verdict
@@ -46,42 +45,6 @@ class Item:
 
     def localize(self, session: "Session", record: Record, how, log) -> None:
         bisect_item(session, self, record, depth=how.depth, verify=how.verify, log=log, band_from=how.band_from)
-
-
-MEMORY_SHARE = 0.8
-
-
-@dataclass
-class Limits:
-    """Each phase of an item, by default, within 15 minutes (issue 19's limit for one item on these
-    2-core machines); a cost law skips up front what it estimates past a limit."""
-
-    export_s: float = 900
-    compile_s: float = 900
-    run_s: float = 900
-    compile_gb: float | None = None  # None: MEMORY_SHARE of this machine's memory (--memory-limit)
-
-    def memory_gb(self) -> float:
-        """The memory a compile may be estimated to need (harness.backends.cost) before it is skipped:
-        by default MEMORY_SHARE of the machine's, the rest being the OS's, the pytest process's
-        (weights, references: 2-3 GB) and the run's."""
-        if self.compile_gb is not None:
-            return self.compile_gb
-        return MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-
-    @classmethod
-    def parse(cls, specs: list[str], memory_gb: float | None = None) -> "Limits":
-        """From `PHASE=SECONDS` strings (`--time-limit compile=600`) and `--memory-limit GB`."""
-        limits = cls(compile_gb=memory_gb)
-        for spec in specs:
-            phase, _, seconds = spec.partition("=")
-            if phase not in ("export", "compile", "run"):
-                raise ValueError(f"--time-limit {spec!r}: the phase is export, compile or run")
-            try:
-                setattr(limits, f"{phase}_s", float(seconds))
-            except ValueError:
-                raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
-        return limits
 
 
 def _amount(value: float, unit: str) -> str:
@@ -505,10 +468,9 @@ class Session:
     # -- judging ------------------------------------------------------------------------------
     def judge(self, rec: Record, r: Resolved, outputs: list) -> Record:
         """Fill the record's metrics, drifts, audio and verdict from the item's outputs."""
+        from .backends import precision_of
         from .reference import references_for
         from .verdict import judge_outputs
-
-        from .backends import precision_of
 
         item, traces = r.item, r.traces
         rec.precision = precision_of(r.backend)  # a float16 backend is judged by the float16 floor
