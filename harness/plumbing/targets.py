@@ -48,10 +48,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from . import cache, jobs
+from . import cache, jobs, worker
 from .files import atomic_write_bytes, atomic_write_json, content_key
 from .jobs import JobResult, first_error_line, run_job
-from .worker import prestart, run_spare_job, run_warm_job
 
 TARGETS_ENV = "KOKORO_PARITY_TARGETS"  # path of the targets file
 FILE_NAME = "targets.yaml"
@@ -245,13 +244,13 @@ class LocalTarget(Target):
 
     def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False, preload=None) -> JobResult:
         if warm:
-            return run_warm_job(function, kwargs, workdir, timeout)
+            return worker.run_warm_job(function, kwargs, workdir, timeout)
         if preload:
-            return run_spare_job(preload, function, kwargs, workdir, timeout)
+            return worker.run_spare_job(preload, function, kwargs, workdir, timeout)
         return run_job(function, kwargs, workdir, timeout)
 
     def prestart(self, preload: dict) -> None:
-        prestart(preload)
+        worker.prestart(preload)
 
     def runnable(self, backend) -> tuple[bool, str]:
         return backend.runnable()
