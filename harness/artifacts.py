@@ -13,8 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backends.prebuilt import KINDS, ArtifactMismatch, Port, kind_of, run_artifact  # noqa: F401
+from .backends.prebuilt import PrebuiltBackend, describe as describe_ports, display_name, ports_from_job
+from .patches import canonical
+from .plumbing.jobs import cached_job, run_job as run_in_child
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
+from .record import item_id
+from .runner import Item, Resolved, failed
+from .steps import STEP_NAMES, get_step
+from .verdict import Verdict
 
 
 @dataclass(frozen=True)
@@ -28,14 +35,10 @@ class ArtifactItem:
 
     @property
     def backend(self) -> str:
-        from .backends.prebuilt import display_name
-
         return display_name(self.path)
 
     @property
     def id(self) -> str:
-        from .record import item_id
-
         return item_id(self.case, self.step, self.backend, self.mode)
 
     # harness.pipeline: how this kind of item runs and is localized
@@ -56,8 +59,6 @@ class ArtifactItem:
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """"STEP=PATH" -> (step, path), checking both."""
-    from .steps import STEP_NAMES
-
     step, sep, path = spec.partition("=")
     if not sep or not step or not path:
         raise ValueError(f"--artifact {spec!r}: expected STEP=PATH, e.g. decoder=kokoro_decoder.onnx")
@@ -72,8 +73,6 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 def describe(path: str | Path) -> tuple[list[Port], int | None]:
     """(declared inputs, number of outputs or None) of an artifact, without running it."""
-    from .backends.prebuilt import describe as describe_ports
-
     ins, outs = describe_ports(path)
     return ins, None if outs is None else len(outs)
 
@@ -112,13 +111,6 @@ def map_inputs(ports: list[Port], inputs: dict, where: str = "") -> list[str]:
 def check_artifact(session, item: ArtifactItem):
     """Judge `item.path` against the references of its step: a Record like any backend's, made by
     the prebuilt backend through the cache and `Session.run_artifact` (child process)."""
-    from .backends.prebuilt import PrebuiltBackend, ports_from_job
-    from .patches import canonical
-    from .plumbing.jobs import cached_job, run_job as run_in_child
-    from .runner import Item, Resolved, failed
-    from .steps import get_step
-    from .verdict import Verdict
-
     backend = PrebuiltBackend(item.path)
     rec = session.new_record(item, list(canonical(session.extra_patches)), backend)
     rec.audit = {"artifact": str(backend.path), "kind": backend.kind}

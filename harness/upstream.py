@@ -21,6 +21,8 @@ and fails when a defect does not reproduce. `check_bundles`
 from __future__ import annotations
 
 import copy
+import importlib.metadata as md
+import importlib.util
 import inspect
 import os
 import platform
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,6 +40,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .plumbing.files import atomic_write_text
+from .repro import _cpu
 
 REPRODUCED, FIXED, CANNOT_RUN, CHANGED = 1, 0, 2, 3
 STATUS = {REPRODUCED: "reproduces", FIXED: "fixed", CANNOT_RUN: "cannot run here", CHANGED: "changed"}
@@ -114,6 +120,7 @@ class ScanLSTMCell(nn.Module):
         self.hidden = hidden
 
     def forward(self, x, valid):
+        # pasted into a standalone repro.py (inspect.getsource): it keeps its own imports
         from torch._higher_order_ops.scan import scan
 
         H = self.hidden
@@ -241,6 +248,7 @@ def _stft_like():
 
 def classify(error):
     """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
+    # pasted into a standalone repro.py (inspect.getsource): it keeps its own imports
     import traceback
 
     text = f"{type(error).__name__}: {error}"
@@ -273,6 +281,7 @@ def values_match(program, inputs, expected, got, runtime):
 
 def check_coreml(program, inputs, expected):
     """coremltools: the ATen inference IR (run_decompositions({})) to an mlprogram, FLOAT32."""
+    # pasted into a standalone repro.py (inspect.getsource): it keeps its own imports; optional runtime: coreml extra
     import platform
 
     import coremltools as ct
@@ -293,6 +302,7 @@ def check_coreml(program, inputs, expected):
 
 
 def _tvm_run(mod, inputs):
+    # optional runtime: tvm extra
     import tvm
     from tvm import relax
 
@@ -308,6 +318,7 @@ def _tvm_run(mod, inputs):
 
 def check_tvm(program, inputs, expected):
     """TVM Relax: from_exported_program, relax.build for llvm, the Relax VM."""
+    # optional runtime: tvm extra
     import tvm
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -320,6 +331,7 @@ def check_tvm(program, inputs, expected):
 
 def check_tvm_onnx(program, inputs, expected):
     """TVM Relax's ONNX frontend on model.onnx (torch.onnx.export, dynamo, opset 18, of program.pt2)."""
+    # heavy runtime: onnx, only where an ONNX file is read; optional runtime: tvm extra
     import onnx
     import tvm
     from tvm.relax.frontend.onnx import from_onnx
@@ -334,6 +346,7 @@ def check_tvm_onnx(program, inputs, expected):
 
 
 def _xnnpack_lower(program):
+    # optional runtime: executorch extra
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import to_edge_transform_and_lower
@@ -371,6 +384,7 @@ def check_xnnpack_scan_body(program, inputs, expected):
     """ExecuTorch + XnnpackPartitioner on a program whose loop is torch's `scan` (SIGNATURE): are the
     ops of its body (the LSTM cell, run at every time step) delegated? to_backend lowers what a
     partitioner tags inside control-flow submodules; the stock partitioner tags the top-level graph."""
+    # optional runtime: executorch extra
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
     from executorch.exir.graph_module import get_control_flow_submodules
@@ -405,6 +419,7 @@ def check_xnnpack_scan_body(program, inputs, expected):
     if not delegated:
         return 1, (f"REPRODUCED: none of the {sum(outside.values())} ops of the {SIGNATURE} body is delegated: they "
                    f"run on portable kernels, one after another at each of the T={steps} steps")
+    # optional runtime: executorch extra
     from executorch.runtime import Runtime
 
     got = Runtime.get().load_program(edge.to_executorch().buffer).load_method("forward").execute(
@@ -419,6 +434,7 @@ def check_xnnpack_scan_body(program, inputs, expected):
 def check_tvm_lstm_steps(program, inputs, expected):
     """TVM Relax's from_exported_program on the same LSTM exported at T and at 4T: does the imported
     `main` grow with the time steps (the recurrence written out) or stay one loop?"""
+    # optional runtime: tvm extra
     import tvm
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
@@ -455,6 +471,7 @@ def check_executorch_dim_order(program, inputs, expected):
     """ExecuTorch portable kernels and XNNPACK: a program exported from an example whose size-1
     axis has an unusual stride (torch calls it contiguous) gets a non-standard dim order, and its
     own kernels reject it whatever strides the inputs have at run time (here: standard ones)."""
+    # optional runtime: executorch extra
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
@@ -481,6 +498,7 @@ def check_executorch_dim_order(program, inputs, expected):
 def check_executorch_cumsum(program, inputs, expected):
     """ExecuTorch's portable cumsum (XNNPACK leaves cumsum to it): its error against float64,
     beside PyTorch float32's own (PyTorch accumulates a float cumsum in double on CPU)."""
+    # optional runtime: executorch extra
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
@@ -517,6 +535,7 @@ def check_float16(program, inputs, expected):
 def check_executorch_instance_norm(program, inputs, expected):
     """ExecuTorch's portable InstanceNorm (XNNPACK leaves it there): NaN, or an error far beyond
     PyTorch float32's, where the variance cancels in one pass."""
+    # optional runtime: executorch extra
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
@@ -546,6 +565,7 @@ def one_pass_variance_verdict(program, inputs, expected, got, runtime):
 def check_tvm_instance_norm(program, inputs, expected):
     """TVM Relax's InstanceNorm (topi): NaN, or an error far beyond PyTorch float32's, where the
     variance cancels in one pass."""
+    # optional runtime: tvm extra
     import tvm
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -805,8 +825,6 @@ def repro_source(d: Defect) -> str:
 
 
 def _version(dist: str) -> str:
-    import importlib.metadata as md
-
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
@@ -816,8 +834,6 @@ def _version(dist: str) -> str:
 def kokoro_line(d: Defect) -> str:
     """`file:line: code` of the Kokoro (or transformers) line the program stands for, found in
     the installed sources (not imported)."""
-    import importlib.util
-
     rel, text = d.source
     spec = importlib.util.find_spec(rel.split("/")[0])
     if spec is None or not spec.submodule_search_locations:
@@ -834,8 +850,6 @@ def kokoro_line(d: Defect) -> str:
 
 def build_bundle(d: Defect, out: Path) -> Path:
     """Write program.pt2, inputs.pt, expected.pt (float64), repro.py and ENV.md (and model.onnx)."""
-    from .plumbing.files import atomic_write_text
-
     bundle = out / d.name
     if bundle.exists():
         shutil.rmtree(bundle)
@@ -851,8 +865,6 @@ def build_bundle(d: Defect, out: Path) -> Path:
     torch.save(list(inputs), bundle / "inputs.pt")
     torch.save({"float64": [e.detach() for e in expected]}, bundle / "expected.pt")
     if d.onnx:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True, verbose=False).save(
@@ -863,8 +875,6 @@ def build_bundle(d: Defect, out: Path) -> Path:
 
 
 def _env_md(d: Defect) -> str:
-    from .repro import _cpu
-
     rows = [("Python", platform.python_version()), ("OS", platform.platform()),
             ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)"), ("torch", _version("torch")),
             ("numpy", _version("numpy"))]
@@ -1140,8 +1150,6 @@ def check_bundles(root: Path | None = None, timeout: float = 900) -> list[dict]:
 
 def main(out: Path | None = None, only: list[str] | None = None, check_only: bool = False) -> int:
     """Regenerate (or only re-check) the bundles; 1 when any defect does not reproduce."""
-    from .plumbing.files import atomic_write_text
-
     out = Path(out or default_dir())
     unknown = [n for n in only or [] if n not in BY_NAME]
     if unknown:

@@ -222,7 +222,7 @@ class _CoreMLBackend(Backend):
 
     def repro_source(self) -> str:
         """The graph fixes of `_inference_ir` inlined (the repro converts what the backend converts)."""
-        helpers = "from collections import Counter\n\n\n" + "".join(
+        helpers = "from collections import Counter\n\nfrom torch._decomp import decomposition_table\n\n\n" + "".join(
             inspect.getsource(f) + "\n\n" for f in (_LstmOutputs, _convert_lstm_input, _lstm_converter, _kind, _ops,
                                                       mil_gaps, _inference_ir))
         helpers += f"DISABLED = {sorted(self.disabled_workarounds())!r}  # workarounds left out\n\n\n"

@@ -36,21 +36,10 @@ from ..backends import get_backend
 from ..metrics.tensor import error_metrics
 from ..plumbing.jobs import Limits, first_error_line
 from ..programs import ensure_program
-from ..repro import write_bundle
 from ..steps import get_step
 from ..verdict import comparator
-from .graph import (
-    BisectError,
-    StepGraph,
-    evaluate,
-    is_float,
-    is_tensor,
-    module_boundaries,
-    module_path,
-    restore_names,
-    source_line,
-    strip_kmodel,
-)
+from .graph import (BisectError, StepGraph, evaluate, is_float, is_tensor, module_boundaries, module_path,
+                    restore_names, source_line, strip_kmodel)
 from .probe import BISECT_VERSION, Probe, key_metrics, run_probe
 from .search import first_failing
 
@@ -407,6 +396,8 @@ class Bisector:
         else:
             out.update(localized(op))
             if repro:
+                from ..repro import write_bundle  # cycle: repro imports harness.bisect.graph, so this package
+
                 out["repro"] = write_bundle(self, op, verify=verify)
         out["compiles"] = self.counts["compiles"]
         out["compile_hits"] = self.counts["compile_hits"]
