@@ -27,14 +27,8 @@ from ..metrics.tensor import error_metrics
 from ..patches import affecting, apply_patches, to_float64
 from ..plumbing.files import atomic_write_json, atomic_write_text
 from ..plumbing.hooks import registered
-from ..reference import (
-    NEUTRAL_PATCHES,
-    REFERENCE_PATCHES,
-    as_outputs,
-    load_traces,
-    references_for,
-    synthesizer_reference,
-)
+from ..reference import (NEUTRAL_PATCHES, REFERENCE_PATCHES, as_outputs, load_traces, references_for,
+                         synthesizer_reference)
 from ..steps import get_step
 from ..verdict import shippable
 from .float16 import Mixed, _kmodel_path, _strip, under
