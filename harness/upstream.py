@@ -59,6 +59,7 @@ def default_dir() -> Path:
 
 # ---- the minimal programs ---------------------------------------------------------------------
 # Each stands for one spot of Kokoro (or of the ALBERT it runs) where the matrix met the defect.
+# Pasted into repro.py with inspect.getsource: a method imports what it needs (torch's scan) itself.
 
 class AlbertPositions(nn.Module):
     """ALBERT's embeddings: `self.position_ids[:, :seq_length]` with seq_length the whole table."""
@@ -120,7 +121,6 @@ class ScanLSTMCell(nn.Module):
         self.hidden = hidden
 
     def forward(self, x, valid):
-        # pasted into a standalone repro.py (inspect.getsource): it keeps its own imports
         from torch._higher_order_ops.scan import scan
 
         H = self.hidden
@@ -245,10 +245,11 @@ def _stft_like():
 
 # ---- the checks inlined into repro.py --------------------------------------------------------
 # Each `check(program, inputs, expected) -> (exit code, message)` imports only its runtime inside.
+# Their imports stay in their bodies: inspect.getsource pastes them into a standalone repro.py, and
+# the runtimes are optional.
 
 def classify(error):
     """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
-    # pasted into a standalone repro.py (inspect.getsource): it keeps its own imports
     import traceback
 
     text = f"{type(error).__name__}: {error}"
@@ -281,7 +282,6 @@ def values_match(program, inputs, expected, got, runtime):
 
 def check_coreml(program, inputs, expected):
     """coremltools: the ATen inference IR (run_decompositions({})) to an mlprogram, FLOAT32."""
-    # pasted into a standalone repro.py (inspect.getsource): it keeps its own imports; optional runtime: coreml extra
     import platform
 
     import coremltools as ct
@@ -302,7 +302,6 @@ def check_coreml(program, inputs, expected):
 
 
 def _tvm_run(mod, inputs):
-    # optional runtime: tvm extra
     import tvm
     from tvm import relax
 
@@ -318,7 +317,6 @@ def _tvm_run(mod, inputs):
 
 def check_tvm(program, inputs, expected):
     """TVM Relax: from_exported_program, relax.build for llvm, the Relax VM."""
-    # optional runtime: tvm extra
     import tvm
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -331,7 +329,6 @@ def check_tvm(program, inputs, expected):
 
 def check_tvm_onnx(program, inputs, expected):
     """TVM Relax's ONNX frontend on model.onnx (torch.onnx.export, dynamo, opset 18, of program.pt2)."""
-    # heavy runtime: onnx, only where an ONNX file is read; optional runtime: tvm extra
     import onnx
     import tvm
     from tvm.relax.frontend.onnx import from_onnx
@@ -346,7 +343,6 @@ def check_tvm_onnx(program, inputs, expected):
 
 
 def _xnnpack_lower(program):
-    # optional runtime: executorch extra
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import to_edge_transform_and_lower
@@ -384,7 +380,6 @@ def check_xnnpack_scan_body(program, inputs, expected):
     """ExecuTorch + XnnpackPartitioner on a program whose loop is torch's `scan` (SIGNATURE): are the
     ops of its body (the LSTM cell, run at every time step) delegated? to_backend lowers what a
     partitioner tags inside control-flow submodules; the stock partitioner tags the top-level graph."""
-    # optional runtime: executorch extra
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
     from executorch.exir.graph_module import get_control_flow_submodules
@@ -419,7 +414,6 @@ def check_xnnpack_scan_body(program, inputs, expected):
     if not delegated:
         return 1, (f"REPRODUCED: none of the {sum(outside.values())} ops of the {SIGNATURE} body is delegated: they "
                    f"run on portable kernels, one after another at each of the T={steps} steps")
-    # optional runtime: executorch extra
     from executorch.runtime import Runtime
 
     got = Runtime.get().load_program(edge.to_executorch().buffer).load_method("forward").execute(
@@ -434,7 +428,6 @@ def check_xnnpack_scan_body(program, inputs, expected):
 def check_tvm_lstm_steps(program, inputs, expected):
     """TVM Relax's from_exported_program on the same LSTM exported at T and at 4T: does the imported
     `main` grow with the time steps (the recurrence written out) or stay one loop?"""
-    # optional runtime: tvm extra
     import tvm
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
@@ -471,7 +464,6 @@ def check_executorch_dim_order(program, inputs, expected):
     """ExecuTorch portable kernels and XNNPACK: a program exported from an example whose size-1
     axis has an unusual stride (torch calls it contiguous) gets a non-standard dim order, and its
     own kernels reject it whatever strides the inputs have at run time (here: standard ones)."""
-    # optional runtime: executorch extra
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
@@ -498,7 +490,6 @@ def check_executorch_dim_order(program, inputs, expected):
 def check_executorch_cumsum(program, inputs, expected):
     """ExecuTorch's portable cumsum (XNNPACK leaves cumsum to it): its error against float64,
     beside PyTorch float32's own (PyTorch accumulates a float cumsum in double on CPU)."""
-    # optional runtime: executorch extra
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
@@ -535,7 +526,6 @@ def check_float16(program, inputs, expected):
 def check_executorch_instance_norm(program, inputs, expected):
     """ExecuTorch's portable InstanceNorm (XNNPACK leaves it there): NaN, or an error far beyond
     PyTorch float32's, where the variance cancels in one pass."""
-    # optional runtime: executorch extra
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
@@ -565,7 +555,6 @@ def one_pass_variance_verdict(program, inputs, expected, got, runtime):
 def check_tvm_instance_norm(program, inputs, expected):
     """TVM Relax's InstanceNorm (topi): NaN, or an error far beyond PyTorch float32's, where the
     variance cancels in one pass."""
-    # optional runtime: tvm extra
     import tvm
     from tvm.relax.frontend.torch import from_exported_program
 
