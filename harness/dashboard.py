@@ -30,7 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from .backends import backend_names
 from .history import DEFAULT_FACTOR, History, Regression, Run, as_float, item_id, load_history, profile_from
+from .steps import PIPELINE_STEP_NAMES
+from .verdict import Profile
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Cell colours by verdict (the tests read this table): light fills with dark text for the common
@@ -227,9 +230,6 @@ def _order(values, preferred) -> list[str]:
 
 
 def _dims(records: list[dict[str, Any]]) -> dict[str, list[str]]:
-    from .backends import backend_names
-    from .steps import PIPELINE_STEP_NAMES
-
     return {"cases": _order({r["case"] for r in records}, ()),
             "steps": _order({r["step"] for r in records}, PIPELINE_STEP_NAMES),
             "backends": _order({r["backend"] for r in records}, backend_names()),
@@ -288,6 +288,7 @@ def trend_figure(runs: list[Run], step: str, backend: str, regs_by_run: dict[str
                  div_id: str, only_item: str | None = None, height: int = 340) -> str:
     """One line per (case, mode) across the runs; a dropdown picks the metric; red rings mark
     regressions (hover: before and after)."""
+    # optional runtime: dashboard extra
     import plotly.graph_objects as go
 
     labels = _labels(runs)
@@ -358,6 +359,7 @@ def _y_range(values: list[float | None], axis: str) -> list[float] | None:
 
 def overview_figure(runs: list[Run], div_id: str) -> str:
     """Verdict counts per run, stacked: the health of the whole matrix over time."""
+    # optional runtime: dashboard extra
     import plotly.graph_objects as go
 
     labels = _labels(runs, commit=False)
@@ -377,6 +379,7 @@ def overview_figure(runs: list[Run], div_id: str) -> str:
 def budget_figure(rec: dict[str, Any], threshold: dict[str, float], div_id: str) -> str | None:
     """Per output: the fp32 noise floor, the backend's error, the pass threshold, and the drift
     that the port's rewrites (static shapes) and semantic patches cost, on one log axis."""
+    # optional runtime: dashboard extra
     import plotly.graph_objects as go
 
     metrics = rec.get("metrics") or {}
@@ -420,9 +423,11 @@ def read_wav(path: Path) -> tuple[np.ndarray, int]:
 def spectrogram_png(reference: Path, backend: Path, out: Path) -> dict[str, float]:
     """Reference, backend and their difference as log spectrograms on one dB scale (0 dB = the
     reference's peak), so that the error's level and where it sits in time and frequency show."""
+    # optional runtime: dashboard extra
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional runtime: dashboard extra
     import matplotlib.pyplot as plt
 
     ref, sr = read_wav(reference)
@@ -463,6 +468,7 @@ def spectrogram_png(reference: Path, backend: Path, out: Path) -> dict[str, floa
 # ----------------------------------------------------------------------------- pages
 
 def _env():
+    # optional runtime: dashboard extra
     from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]),
@@ -559,6 +565,7 @@ def band_figure(rec: dict[str, Any], margin: float, div_id: str) -> str | None:
     """An artifact that draws its own noise (harness/port/noise.py): per audio metric, the spread of
     the K reference runs (the band, dark), the margin the verdict allows around it (light) and the
     artifact's value (a marker in its verdict's colour); one row per metric, each on its own scale."""
+    # optional runtime: dashboard extra
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -596,6 +603,7 @@ def band_figure(rec: dict[str, Any], margin: float, div_id: str) -> str | None:
 
 
 def _build(history: History, site: Path, report_dir: Path, factor: float) -> None:
+    # optional runtime: dashboard extra
     import plotly
 
     env = _env()
@@ -657,8 +665,6 @@ def _build(history: History, site: Path, report_dir: Path, factor: float) -> Non
 def _band_margin(rec: dict[str, Any]) -> float:
     """The tolerance profile's `band_margin` for the item (the default profile's; a run's own
     profile is not in its records)."""
-    from .verdict import Profile
-
     return Profile.load().for_(rec["step"], rec["backend"], rec.get("mode", "dynamic")).band_margin
 
 

@@ -29,10 +29,21 @@ from pathlib import Path
 
 import torch
 
+from . import progress
+from .backends import precision_of
 from .metrics.audio import audio_metrics, write_wav
-from .metrics.tensor import compare_to_floor
+from .metrics.tensor import compare_to_floor, error_metrics
 from .model import SAMPLE_RATE
+from .patches import affecting, apply_patches, graph_code_digest
+from .plumbing import cache
+from .plumbing.files import atomic_write, content_key
+from .port.chain import HarnessSteps, glue, run_chain
+from .port.portfile import PortError, load_port
+from .precision.float16 import FLOOR_VERSION, Mixed
+from .precision.search import float16_d
 from .record import Record
+from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, TRACE_VERSION, as_outputs, numerics, synthesizer_reference
+from .steps import get_step
 from .verdict import Verdict, apply_float16_floor, judge, shippable
 
 E2E_PORT = Path(__file__).parent / "data" / "ports" / "e2e.yaml"
@@ -50,21 +61,15 @@ def alignment(pred_dur: torch.Tensor, n_tokens_total: int, n_frames_total: int) 
 @functools.lru_cache(maxsize=1)
 def e2e_port():
     """The shipped port file of the e2e item, validated like a user's."""
-    from .port.portfile import load_port
-
     return load_port(E2E_PORT)
 
 
 def run_e2e(session, r, rec: Record) -> Record:
     """Run a resolved e2e item (harness.runner.Resolved) through the port chain and judge its audio."""
-    from .port.chain import HarnessSteps, run_chain
-    from .port.portfile import PortError
-
     port = e2e_port()  # not in rec.audit: the backend's audit (the dashboard lists it); rows name their steps
     try:
         variant = synthesizer_variant(rec.patches)
         refs = {"audio": synthesizer_audio(session, r.item.case, variant)} if variant else None
-        from .backends import precision_of
 
         run_chain(session, port, r.item, rec, HarnessSteps(r.backend, r.patches, r.item.mode == "static"),
                   end=functools.partial(judge_e2e, precision=precision_of(r.backend)), profile_step="e2e",
@@ -76,9 +81,6 @@ def run_e2e(session, r, rec: Record) -> Record:
 
 def synthesizer_variant(patches: list[str]) -> tuple[str, ...]:
     """The backend's patches that change the synthesizer's semantics (e.g. custom_stft)."""
-    from .patches import affecting
-    from .reference import NEUTRAL_PATCHES, REFERENCE_PATCHES
-
     return tuple(affecting([p for p in patches if p not in REFERENCE_PATCHES["dynamic"] and p not in NEUTRAL_PATCHES],
                            "synthesizer"))
 
@@ -86,8 +88,6 @@ def synthesizer_variant(patches: list[str]) -> tuple[str, ...]:
 def synthesizer_audio(session, case_id: str, variant: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """{"float32", "float64"}: the synthesizer in eager PyTorch on the reference's exact lengths
     and alignment, with `variant` (cached: harness.reference.synthesizer_reference)."""
-    from .reference import synthesizer_reference
-
     return synthesizer_reference(session.model, session.cases[case_id], session.traces(case_id), variant)
 
 
@@ -96,21 +96,11 @@ def float16_floor_audio(session, case_id: str, variant: tuple[str, ...]) -> torc
     floor): the duration stage in float16, the synthesizer fed its `d` on the reference's alignment
     (the reference's `d` when the float16 durations round differently: the item's local run), as the
     item runs a float16 backend. Cached per case and variant."""
-    from .plumbing import cache
-    from .plumbing.files import atomic_write, content_key
-    from .patches import apply_patches, graph_code_digest
-    from .precision.float16 import FLOOR_VERSION, Mixed
-    from .precision.search import float16_d
-    from .reference import REFERENCE_PATCHES, TRACE_VERSION, as_outputs, numerics
-    from .steps import get_step
-
     model, case, traces = session.model, session.cases[case_id], session.traces(case_id)
     key = content_key("float16-e2e", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, numerics(),
                       variant, graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
-        from . import progress
-
         km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
         dur, synth, chain = get_step("duration_stage"), get_step("synthesizer"), traces.chain
         with progress.phase("references in float16", subject=f"{case_id} e2e"):
@@ -131,8 +121,6 @@ def judge_e2e(session, port, item, rec: Record, chained: dict, traces, case, loc
     against the synthesizer's eager reference with the backend's semantics-changing patches (a
     CustomSTFT rewrite makes its own reference variant), the WAVs written. A float16 backend
     (`precision`): the verdict against the float16 floor, the audio bars as `shippable`."""
-    from .port.chain import glue
-
     n = traces.valid.tokens
     pred, pred_ref = glue("pred_dur", chained, traces), torch.tensor(traces.pred_dur)
     differ = int((pred != pred_ref).sum())
@@ -151,8 +139,6 @@ def judge_e2e(session, port, item, rec: Record, chained: dict, traces, case, loc
     rec.metrics["audio"] = compare_to_floor(judged, ref32, ref64)
     rec.precision = precision
     if precision == "float16":
-        from .metrics.tensor import error_metrics
-
         fp16 = float16_floor_audio(session, item.case, synthesizer_variant(rec.patches))
         apply_float16_floor(rec.metrics["audio"], error_metrics(fp16, ref64), precision)
     rec.audio_metrics["audio"] = {**audio_metrics(ref64[0].numpy(), judged[0].numpy()),

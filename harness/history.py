@@ -14,6 +14,7 @@ stdlib is as well kept as it gets.
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import math
 import os
@@ -27,11 +28,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from . import __version__
+from .backends import get_backend
 from .plumbing.files import atomic_write_json, atomic_write_text
-from .record import SCHEMA as RECORD_SCHEMA
-from .record import Record
-from .record import item_id as record_item_id
-from .verdict import Verdict
+from .record import SCHEMA as RECORD_SCHEMA, Record, _finite_json, item_id as record_item_id
+from .upstream import check_bundles
+from .verdict import Profile, Tolerance, Verdict
 
 SCHEMA = "kokoro-parity/run/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -251,8 +252,6 @@ class Regression:
         return f"{self.item}: {self.what} {change} (vs run {self.previous_run})" + (f"; {self.note}" if self.note else "")
 
     def to_dict(self) -> dict[str, Any]:
-        from .record import _finite_json
-
         return _finite_json({"item": self.item, "kind": self.kind, "what": self.what, "before": self.before,
                              "after": self.after, "previous_run": self.previous_run, "note": self.note,
                              "message": str(self)})
@@ -339,10 +338,6 @@ def machine_info() -> dict[str, Any]:
 
 
 def version_info(backends: Iterable[str] = ()) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    from .backends import get_backend
-
     out: dict[str, Any] = {"harness": __version__, "python": platform.python_version()}
     for pkg in PACKAGES:
         try:
@@ -382,8 +377,6 @@ def profile_dict(profile) -> dict[str, Any]:
 
 def profile_from(data: dict[str, Any] | None):
     """Inverse of `profile_dict`; None or an unusable dict gives the default profile."""
-    from .verdict import Profile, Tolerance
-
     try:
         default = Tolerance(**data["default"])
         overrides = [({k: o[k] for k in ("step", "backend", "mode") if k in o},
@@ -493,8 +486,6 @@ def nightly(records: Iterable[Record], history_dir: str | os.PathLike, *, n_item
             if on_record:
                 on_record(rec)
         if upstream_dir is not None:
-            from .upstream import check_bundles
-
             run.upstream = check_bundles(upstream_dir)
             write_run(history_dir, run)
     except BaseException as e:
@@ -526,8 +517,6 @@ def record_run(records_dir: str | os.PathLike, history_dir: str | os.PathLike, *
     the records' timings show: `work_counts`) and its duration
     the sum of the items' work seconds (`item_seconds`): shards run on several machines at once,
     so this is the matrix's cost, not a wall time (`selection.duration` says so)."""
-    from .verdict import Profile
-
     history_dir = Path(history_dir)
     records = []
     for path in sorted(Path(records_dir).glob("*.json")):

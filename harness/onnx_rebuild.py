@@ -38,8 +38,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.plumbing.files import atomic_write, sha256_file
+import numpy as np
+import torch
+
 from harness.architecture import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel
+from harness.plumbing.files import atomic_write, sha256_file
 
 # KOKORO_V1_CONFIG (checked against the ONNX by `_check_graph`) and the KModel helpers live in
 # harness.architecture; they are imported here because the rebuild validates against them.
@@ -154,6 +157,7 @@ def rebuild_checkpoint(onnx_path: str | Path):
     Returns (checkpoint, RebuildReport). Raises ValueError if the graph does not match
     KOKORO_V1_CONFIG or a KModel parameter is neither in the graph nor a documented gap.
     """
+    # heavy runtime: onnx, only where an ONNX file is read
     import onnx
 
     graph = onnx.load(str(onnx_path)).graph
@@ -173,8 +177,6 @@ class _Rebuild:
     problem is collected so that a failed rebuild names all of them at once."""
 
     def __init__(self, graph):
-        import torch
-
         self.graph = graph
         self.raw = {t.name: t for t in graph.initializer}
         self._arrays: dict = {}
@@ -188,6 +190,7 @@ class _Rebuild:
         self.report = RebuildReport()
 
     def arr(self, name: str):
+        # heavy runtime: onnx, only where an ONNX file is read
         from onnx import numpy_helper
 
         if name not in self._arrays:
@@ -195,9 +198,6 @@ class _Rebuild:
         return self._arrays[name]
 
     def put(self, key: str, value, *sources: str) -> None:
-        import numpy as np
-        import torch
-
         if key not in self.shapes:
             self.problems.append(f"{key}: not a KModel parameter (from {sources[0]})")
             return
@@ -212,8 +212,6 @@ class _Rebuild:
 
     def put_weight(self, base: str, w, *sources: str) -> None:
         """A conv/linear weight; split into weight_g/weight_v where KModel uses weight_norm."""
-        import numpy as np
-
         if f"{base}.weight_v" not in self.shapes:
             self.put(f"{base}.weight", w, *sources)
             return
@@ -229,8 +227,6 @@ class _Rebuild:
 
     def deq(self, qname: str, zp_name: str, scale_name: str | None = None, axis: int = -1):
         """(q - zp) * scale, with a non-scalar zp/scale along `axis` of q."""
-        import numpy as np
-
         scale_name = scale_name or _scale_name(qname)
         if scale_name not in self.raw:
             self.problems.append(f"{qname}: no scale initializer {scale_name}")
@@ -299,8 +295,6 @@ class _Rebuild:
 
     def fill_defaults(self) -> None:
         """Parameters absent from the graph: a documented default (`_DEFAULTS`) or a problem."""
-        import torch
-
         for key, shape in self.shapes.items():
             if key in self.out:
                 continue
@@ -362,8 +356,6 @@ def _name_key(name: str) -> str | None:
 
 
 def _put_lstm(node, base, deq, arr, put, problems) -> None:
-    import numpy as np
-
     attrs = {a.name: a for a in node.attribute}
     direction = attrs["direction"].s.decode() if "direction" in attrs else "forward"
     if direction != "bidirectional":

@@ -8,7 +8,6 @@ configuration a Session is built from.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -181,39 +180,3 @@ class RunConfig:
 
     def replace(self, **changes) -> "RunConfig":
         return type(self)(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})
-
-
-MEMORY_SHARE = 0.8
-
-
-@dataclass
-class Limits:
-    """Each phase of an item, by default, within 15 minutes (what one item may take on a 2-core
-    machine); a cost law skips up front what it estimates past a limit."""
-
-    export_s: float = 900
-    compile_s: float = 900
-    run_s: float = 900
-    compile_gb: float | None = None  # None: MEMORY_SHARE of this machine's memory (--memory-limit)
-
-    def memory_gb(self) -> float:
-        """The memory a compile may be estimated to need (harness.backends.cost) before it is skipped:
-        by default MEMORY_SHARE of the machine's, the rest being the OS's, the pytest process's
-        (weights, references: 2-3 GB) and the run's."""
-        if self.compile_gb is not None:
-            return self.compile_gb
-        return MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-
-    @classmethod
-    def parse(cls, specs: list[str], memory_gb: float | None = None) -> "Limits":
-        """From `PHASE=SECONDS` strings (`--time-limit compile=600`) and `--memory-limit GB`."""
-        limits = cls(compile_gb=memory_gb)
-        for spec in specs:
-            phase, _, seconds = spec.partition("=")
-            if phase not in ("export", "compile", "run"):
-                raise ValueError(f"--time-limit {spec!r}: the phase is export, compile or run")
-            try:
-                setattr(limits, f"{phase}_s", float(seconds))
-            except ValueError:
-                raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
-        return limits

@@ -21,7 +21,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import torch
+from tabulate import tabulate
+
+from .backends import get_backend
 from .plumbing.files import atomic_write_json, atomic_write_text, save_tensors
+from .plumbing.jobs import run_job
 
 DELEGATED, PORTABLE = "delegated", "portable kernel"
 
@@ -33,7 +38,7 @@ def is_executorch(backend) -> bool:
 
 def etdump_job(artifact_path: str, inputs_path: str, out_dir: str, repeat: int) -> dict[str, Any]:
     """Child job: run the .pte `repeat` times with ETDump on, write the ETDump, return the table."""
-    import torch
+    # optional runtime: executorch extra
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
     out = Path(out_dir)
@@ -59,6 +64,7 @@ def _per_run_ms(raw: list[float]) -> float:
 
 def operator_table(etdump_path: str) -> dict[str, Any]:
     """ETDump -> {"summary": totals in ms per run, "rows": one per operator (ms per run, calls)}."""
+    # optional runtime: executorch extra
     from executorch.devtools import Inspector
 
     inspector = Inspector(etdump_path=etdump_path)
@@ -120,8 +126,6 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def markdown(table: dict[str, Any], top: int | None = None) -> str:
-    from tabulate import tabulate
-
     rows = table["rows"][:top] if top else table["rows"]
     body = tabulate([[f"`{r['operator']}`", r["where"], r["calls"], f"{r['ms']:.2f}",
                       f"{r['share']:.1%}" if r["share"] is not None else "-"] for r in rows],
@@ -140,9 +144,6 @@ def to_csv(table: dict[str, Any]) -> str:
 def profile_item(session, item, repeat: int = 3) -> tuple[dict[str, Any], Path]:
     """Profile an item's compiled .pte (compiled first if not cached) on the item's inputs; writes
     <report_dir>/profile/<item>/{etdump.etdp, operators.csv, operators.md, profile.json}."""
-    from .backends import get_backend
-    from .plumbing.jobs import run_job
-
     backend = get_backend(item.backend)
     if not is_executorch(backend):
         raise ValueError(f"--backend {item.backend}: ETDump profiles ExecuTorch programs (.pte): xnnpack, portable")

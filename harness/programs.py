@@ -13,8 +13,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
+from . import progress
+from .backends import cost
+from .model import SAMPLE_RATE, load_model
+from .patches import affecting, apply_patches, graph_code_digest
+from .plumbing import cache
 from .plumbing.files import atomic_write_json, content_key, save_tensors
 from .plumbing.jobs import JobResult, cached_job
+from .steps import get_step
 
 PROGRAM_VERSION = 2  # bump when the export recipe changes: it invalidates cached programs
 
@@ -23,10 +31,6 @@ def program_key(step: str, inputs: dict, patches, model_digest: str) -> tuple[st
     """(cache key, the patches that were keyed): only the patches that can change `step` are
     applied and keyed, with a digest of their sources, so an edited patch re-exports and a
     backend's extra LSTM patch shares the decoder's program with the others."""
-    import torch
-
-    from .patches import affecting, graph_code_digest
-
     patches = list(affecting(patches, step))
     shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()]
     key = content_key("program", PROGRAM_VERSION, step, shapes, patches, model_digest, torch.__version__,
@@ -37,9 +41,6 @@ def program_key(step: str, inputs: dict, patches, model_digest: str) -> tuple[st
 def ensure_program(weights: str | None, model_digest: str, step: str, inputs: dict, patches, timeout: float,
                    counts: Counter | None = None) -> tuple[Path, str, JobResult | None]:
     """(cache entry holding program.pt2, its key, the export job's result or None on a hit)."""
-    from . import progress
-    from .plumbing import cache
-
     key, patches = program_key(step, inputs, patches, model_digest)
     with progress.phase(f"exporting {step}", active=cache.lookup("programs", key) is None):
         entry, result = cached_job(
@@ -56,12 +57,6 @@ def ensure_program(weights: str | None, model_digest: str, step: str, inputs: di
 def export_step(weights: str | None, expected_digest: str, step: str, patches: list[str],
                 inputs_path: str, out_path: str) -> dict:
     """Job function: load the model, patch a copy, export `step` on the saved inputs."""
-    import torch
-
-    from .model import load_model
-    from .patches import apply_patches
-    from .steps import get_step
-
     model = load_model(weights)
     if model.digest != expected_digest:
         raise RuntimeError(f"weights changed under the run: digest {model.digest} != {expected_digest}")
@@ -86,17 +81,11 @@ def program_sizes(program_dir: Path, step: str) -> dict[str, float]:
     the time steps of the longest `aten.lstm` (which TVM's frontends write out one by one) and the
     seconds of audio the step returns. Read from the program once (2 s for en_long's f0n) and kept
     beside it in `sizes.json`."""
-    from .backends import cost
-
     path = program_dir / "sizes.json"
     if path.exists():
         sizes = json.loads(path.read_text())
         if set(sizes) >= {cost.EXPORTED_NODES, cost.LSTM_STEPS, cost.AUDIO_SECONDS}:  # else: kept by an older harness
             return sizes
-    import torch
-
-    from .model import SAMPLE_RATE
-    from .steps import get_step
 
     ops = json.loads((program_dir / "result.json").read_text())["value"]["ops"]
     program = torch.export.load(program_dir / "program.pt2")

@@ -4,13 +4,13 @@ Records are what reports, history and dashboards read; nothing downstream re-run
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import math
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import platform
 
 from . import __version__
 from .plumbing.files import atomic_write_json
@@ -145,8 +145,6 @@ def failed(rec: "Record", result, error_verdict: Verdict) -> None:
 
 def versions(backend=None) -> dict[str, str]:
     """The versions a record carries (the backend's own, when there is one)."""
-    import importlib.metadata as md
-
     out = {"python": platform.python_version(), "harness": __version__, "platform": platform.platform()}
     if backend is not None:
         out["backend"] = backend.version()

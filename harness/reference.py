@@ -11,17 +11,21 @@
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from .plumbing import cache
+from . import progress
 from .cases import FRAME_BUCKETS, MAX_TOKENS, TOKEN_BUCKETS, Bucket, Case, CaseError
-from .plumbing.files import atomic_write, content_key
+from .metrics.tensor import error_metrics
+from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, phonemize, style_for
+from .patches import PATCHES, affecting, apply_patches, graph_code_digest, sample_noise, to_float64
+from .plumbing import cache
+from .plumbing.files import atomic_write, content_key, tensors_digest
 from .plumbing.hooks import registered
-from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, style_for
-from .patches import apply_patches, graph_code_digest, sample_noise, to_float64
-from .steps import FRAME_UNITS, NOISE_INPUTS, STEPS, Step, build_alignment, get_step
+from .precision.float16 import FLOOR_VERSION, Float16Mode, Mixed
+from .steps import FRAME_UNITS, NOISE_INPUTS, STAGES, STEPS, Step, build_alignment, get_step
 
 MODES = ("dynamic", "static")
 REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
@@ -35,8 +39,6 @@ def numerics() -> str:
     Kokoro's torch.stft path by up to 1e-2, and any 1e-7 change of the vocoder's inputs (oneDNN's
     convolutions) moves its audio by ~5e-3 (finding 12), so references cached under one are not
     reused under another (`MKL_ENABLE_INSTRUCTIONS`, `ONEDNN_MAX_CPU_ISA` choose them)."""
-    import os
-
     return (f"{torch.__version__};{torch.backends.cpu.get_cpu_capability()};"
             f"mkl={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'auto')};"
             f"onednn={os.environ.get('ONEDNN_MAX_CPU_ISA', 'auto')}")
@@ -175,8 +177,6 @@ def cast(inputs: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]
 
 
 def compute_traces(model: LoadedModel, case: Case, steps: tuple[str, ...] | None = None) -> CaseTraces:
-    from . import progress
-
     with progress.phase("references: Kokoro's chain", subject=case.id):
         chain, valid, pred_dur = run_chain(model, case, synthesize=not steps or not set(steps) <= set(DURATION_STAGE))
     traces = CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
@@ -249,8 +249,6 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
     the float32 values are the chain's), all of a port's boundaries at once; cached beside the
     traces. Hooks clone: Generator's `xs += ...` mutates a resblock's output after its hook.
     `variant`: extra semantics-changing patches; give it a copy of the traces with empty captures."""
-    from . import progress
-
     refs = tuple(sorted({r for r in refs} - {k[0] for k in traces.captures}))
     if not refs:
         return traces.captures
@@ -314,8 +312,6 @@ def variant_output(model: LoadedModel, case: Case, traces: CaseTraces, step: str
     norm statistics, the LSTM as a scan) changes nothing but float64 rounding, so the float64
     output is shared by every patch set with the same function-changing patches: xnnpack's and
     eager's decoder share one float64 run, and a set of only such patches is the trace's own."""
-    from .patches import PATCHES
-
     if dtype == "float64":
         variant = tuple(p for p in variant if not PATCHES[p].same_function)
         if not variant:
@@ -324,8 +320,6 @@ def variant_output(model: LoadedModel, case: Case, traces: CaseTraces, step: str
                       graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
-        from . import progress
-
         km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
         if dtype == "float64":
             km = to_float64(km)
@@ -344,8 +338,6 @@ def dynamic_counterpart(model: LoadedModel, case: Case, traces: CaseTraces, step
     """What a static output is compared with for its rewrite drift: Kokoro's dynamic reference,
     carrying only the semantics-changing patches of `variant` (a preserving patch such as
     length_aware_lstm must be measured against the real packed Kokoro, not against itself)."""
-    from .patches import PATCHES
-
     changing = tuple(p for p in variant if not PATCHES[p].preserves_semantics)
     if not changing:
         return traces.outputs(step, "dynamic", "float32")
@@ -355,10 +347,6 @@ def dynamic_counterpart(model: LoadedModel, case: Case, traces: CaseTraces, step
 def rewrite_drift(model: LoadedModel, case: Case, traces: CaseTraces, variant: tuple[str, ...] = ()) -> list[dict]:
     """Per step output: the static reference (with `variant` patches) against the dynamic one on
     the valid region, beside the static fp32 noise floor. No backend involved."""
-    from .metrics.tensor import error_metrics
-
-    from .patches import affecting
-
     rows = []
     for step in STEPS:
         if affecting(variant, step.name):
@@ -388,8 +376,6 @@ def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, va
     chain = traces.chain
 
     def build(tmp):
-        from . import progress
-
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
         km64 = to_float64(copy.deepcopy(km32))
         inputs = {k: chain[k] for k in step.input_names}
@@ -424,14 +410,10 @@ def float16_outputs(model: LoadedModel, case: Case, traces: CaseTraces, step: st
     hard-coded in the code included, as the fp16 backend runs a program) on the mode's float32
     inputs, with the reference's patches and `variant`: their error against float64 is the float16
     floor. Computed once per (case, step, mode, variant) and cached."""
-    from .precision.float16 import FLOOR_VERSION, Mixed
-
     key = content_key("float16", TRACE_VERSION, FLOOR_VERSION, model.digest, case.digest, numerics(), step,
                       mode, variant, graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
-        from . import progress
-
         km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
         with progress.phase("references in float16", subject=f"{case.id} {step} {mode}"):
             s = get_step(step)
@@ -448,8 +430,6 @@ def references_for(model: LoadedModel, case: Case, traces: CaseTraces, step: str
     reference are left out (NEUTRAL_PATCHES), the others make a variant reference, so that a
     backend's error is its own and the patches' effect is reported beside it. A float16 backend
     (`precision="float16"`) also gets the float16 eager outputs, its floor."""
-    from .patches import affecting
-
     plain32 = traces.outputs(step, mode, "float32")
     variant = affecting([p for p in patches if p not in REFERENCE_PATCHES[mode] and p not in NEUTRAL_PATCHES], step)
     if variant:
@@ -465,8 +445,6 @@ def references_for(model: LoadedModel, case: Case, traces: CaseTraces, step: str
 def fitting_bucket(model, text: str, language: str, voice: str, speed: float = 1.0) -> Bucket:
     """The smallest standard bucket that fits the reference's lengths (tokens with their pads,
     predicted frames): what `new-case` picks when --tokens/--frames are not given."""
-    from .model import phonemize
-
     probe = Case(id="probe", language=language, text=text, phonemes=phonemize(text, language), voice=voice,
                  speed=speed, bucket=Bucket(tokens=MAX_TOKENS, frames=4000))
     _, valid, _ = run_chain(model, probe, synthesize=False)
@@ -496,8 +474,6 @@ def _stage_plan(have: set[str], wanted: tuple[str, ...]) -> list[tuple[str, str]
     order; a module reference is produced by the step that runs its module (hooks); a step that
     the inputs alone feed is preferred to a chain of smaller ones. Raises BoundaryError naming what
     no computation from the inputs reaches."""
-    from .steps import STAGES
-
     plan: list[tuple[str, str]] = []
     done = set(have)
 
@@ -542,8 +518,6 @@ def _stage_plan(have: set[str], wanted: tuple[str, ...]) -> list[tuple[str, str]
 
 
 def _digest(values: dict[str, torch.Tensor]) -> str:
-    from .plumbing.files import tensors_digest
-
     return tensors_digest(values)
 
 
@@ -556,16 +530,12 @@ def stage_reference(model: LoadedModel, case: Case, inputs: dict[str, torch.Tens
     bucketed stage is judged against, since Kokoro is not padding-invariant. `float16`: eager float16
     (harness.precision.float16.Mixed, emulated), its error against float64 the stage's float16
     floor. One run per (case, inputs, precision), cached by content (the inputs' bytes in the key)."""
-    from .precision.float16 import FLOOR_VERSION, Float16Mode, Mixed
-
     plan = _stage_plan(set(inputs), outputs)
     key = content_key("stage", TRACE_VERSION, STAGE_REF_VERSION, FLOOR_VERSION, model.digest, case.digest,
                       numerics(), mode, _digest(inputs), outputs, precisions, variant,
                       graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
-        from . import progress
-
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
         out = {}
         for precision in precisions:

@@ -8,6 +8,7 @@ part of `repro.py` is the backend's own `repro_source()`, so adding a backend to
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import platform
@@ -17,7 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from .bisect.graph import evaluate, module_path, source_line
 from .metrics import fmt as _fmt
+from .plumbing import cache
 from .plumbing.files import atomic_write_text
 
 CANNOT_RUN_HERE = 2  # repro.py's exit code when the backend cannot run on this machine
@@ -152,8 +157,6 @@ def _cpu() -> str:
 
 
 def _env_md(backend) -> str:
-    import importlib.metadata as md
-
     rows = [("Python", platform.python_version()), ("OS", platform.platform()),
             ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)")]
     for pkg in ("torch", "numpy", "executorch", "onnxruntime", "onnx", "onnxscript", "apache-tvm", "coremltools"):
@@ -219,11 +222,6 @@ def write_bundle(bisector, op: dict, verify: bool = True) -> dict:
     """Write <report_dir>/repro/<item>/ for a localized op: the failing window's program and
     inputs (from the probe cache), expected.pt (float64), repro.py, ENV.md and REPORT.md; with
     `verify`, run repro.py alone and record whether it reproduces."""
-    import torch
-
-    from .bisect.graph import evaluate
-    from .plumbing import cache
-
     window, k, backend = op["window"], op["node"], bisector.backend
     out_dir = bisector.report_dir / "repro" / bisector.item_id
     if out_dir.exists():
@@ -254,8 +252,6 @@ def write_bundle(bisector, op: dict, verify: bool = True) -> dict:
 
 
 def _facts(bisector, op: dict, in_names: list[str], inputs: list) -> dict:
-    from .bisect.graph import module_path, source_line
-
     k, w, backend = op["node"], op["window"], bisector.backend
     m = w.metrics.get(k.name, {})
     target = str(k.target)

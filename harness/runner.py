@@ -13,15 +13,27 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backends import Backend, get_backend
+import torch
+
+from . import progress
+from .backends import Backend, get_backend, precision_of
 from .bisect import BISECTABLE, bisect_item
-from .options import MEMORY_SHARE, Limits  # noqa: F401 (Limits is the run configuration's)
 from .cases import Case, case_dirs, configured_dirs, load_cases
+from .e2e import run_e2e
+from .metrics.audio import audio_metrics, write_audio
+from .model import SAMPLE_RATE, load_model, load_vocab
+from .backends.prebuilt import PrebuiltBackend, describe_as_json, ports_from_job
+from .patches import PATCHES, canonical as canonical_patches
+from .plumbing import cache, run_cache
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors, size_of
-from .plumbing.jobs import cached_job
-from .record import Record, backend_label, failed, item_id, skip_compiled_not_run, versions
-from .reference import MODES
-from .verdict import Profile, Verdict
+from .plumbing.jobs import MEMORY_SHARE, JobResult, Limits, cached_job, run_job  # noqa: F401 (Limits: imported from here too)
+from .plumbing.targets import TargetUnreachable, compile_on_target, get_target
+from .plumbing.worker import stop_worker
+from .programs import ensure_program, program_key, program_sizes
+from .record import Record, backend_label, failed, item_id, real_time, skip_compiled_not_run, versions
+from .reference import MODES, load_traces, references_for
+from .steps import ITEM_STEPS, STAGES, get_step
+from .verdict import Profile, Verdict, judge_outputs
 
 
 @dataclass(frozen=True)
@@ -108,8 +120,6 @@ class Session:
     @property
     def cases(self) -> dict[str, Case]:
         if self._cases is None:
-            from .model import load_vocab
-
             # each case checked whole before any work: one error naming the file and the field
             cases = load_cases(case_dirs(self.cases_dirs or configured_dirs()), only=self.case_ids,
                                vocab=load_vocab())
@@ -119,21 +129,15 @@ class Session:
     @property
     def model(self):
         if self._model is None:
-            from .model import load_model
-
             self._model = load_model(self.weights)
         return self._model
 
     def traces(self, case_id: str):
         if case_id not in self._traces:
-            from .reference import load_traces
-
             self._traces[case_id] = load_traces(self.model, self.cases[case_id])
         return self._traces[case_id]
 
     def items(self, backends: list[str], steps: list[str] | None = None, modes=MODES) -> list[Item]:
-        from .steps import ITEM_STEPS, STAGES
-
         for s in steps or ():
             if s in {st.name for st in STAGES}:
                 raise ValueError(f"--step {s}: a stage of the e2e item, not an item of its own; run --step e2e")
@@ -145,15 +149,11 @@ class Session:
     def target_for(self, name: str = "local"):
         """The target (harness.plumbing.targets), loaded once; an unknown one is a TargetError."""
         if name not in self._targets:
-            from .plumbing.targets import get_target
-
             self._targets[name] = get_target(name, self.targets_file)
         return self._targets[name]
 
     def close(self) -> None:
         """End the targets' connections and the warm worker (harness.plumbing.worker)."""
-        from .plumbing.worker import stop_worker
-
         for t in self._targets.values():
             t.close()
         stop_worker()
@@ -161,21 +161,15 @@ class Session:
     def patches_for(self, backend: Backend) -> list[str]:
         """The backend's own patches (less its patch-workarounds switched off: `--no-workaround`)
         and the session's extra ones, in the registry's order."""
-        from .patches import canonical
-
         off = backend.workaround_patches_disabled()
-        return list(canonical((*(p for p in backend.patches if p not in off), *self.extra_patches)))
+        return list(canonical_patches((*(p for p in backend.patches if p not in off), *self.extra_patches)))
 
     def resolve(self, item: Item) -> Resolved:
-        from .steps import get_step
-
         backend = get_backend(item.backend)
         step = None if item.step == "e2e" else get_step(item.step)
         return Resolved(item, step, self.cases[item.case], self.traces(item.case), backend, self.patches_for(backend))
 
     def new_record(self, item: Item, patches: list[str], backend: Backend | None) -> Record:
-        from .patches import PATCHES
-
         return Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED, patches=list(patches),
                       semantic_patches=[p for p in patches if not PATCHES[p].preserves_semantics],
                       model={"name": self.model.name, "digest": self.model.digest, "source": self.model.source},
@@ -202,14 +196,11 @@ class Session:
             return rec
         r = self.resolve(item)
         if item.step == "e2e":  # the harness's own two-stage port, through harness.port.chain.run_chain
-            from .e2e import run_e2e
-
             return run_e2e(self, r, rec)
         outputs = self.execute(backend, item.step, r.traces.inputs(item.step, item.mode, "float32"), r.patches, rec,
                                item.id)
         if outputs is None:
             return rec
-        from . import progress
 
         with progress.phase("judging"):
             return self.judge(rec, r, outputs)
@@ -253,9 +244,6 @@ class Session:
     def program(self, step: str, inputs: dict, patches: list[str], rec: Record,
                 tag: str = "") -> tuple[Path | None, str]:
         """The step's exported program (harness.programs: the one program key, shared with bisection)."""
-        from .plumbing import cache
-        from .programs import ensure_program, program_key
-
         if self.reuse_only and cache.lookup("programs", program_key(step, inputs, patches, self.model.digest)[0]) is None:
             return self.not_warm(rec, "export", step), ""
         entry, key, result = ensure_program(self.weights, self.model.digest, step, inputs, patches,
@@ -275,9 +263,6 @@ class Session:
         limit. The laws were measured on this kind of machine: they judge only what runs `here`
         (a remote target's compile, or its run, is its own). An artifact already in the cache is
         never skipped for its compile: it costs nothing."""
-        from .plumbing import cache
-        from .programs import program_sizes
-
         compiles_here = here or backend.compile_where != "target"
         laws = ((backend.compile_time if compiles_here else None, self.limits.compile_s, "compile",
                  "--time-limit compile=SECONDS"),
@@ -305,9 +290,6 @@ class Session:
                  tag: str = "", target=None) -> Path | None:
         """The backend's compiled artifact (once per program and backend version); with a remote
         `target`, compiled there (`compile_where = "target"`) and cached here per target."""
-        from . import progress
-        from .plumbing import cache
-
         key = backend.artifact_key(program_key)
         here = {"audit_dir": str(program_dir / "audits")} if target is None else {}  # the op audit, kept by program
         make = lambda tmp: dict(backend=backend.name, program_path=str(program_dir / "program.pt2"),  # noqa: E731
@@ -320,8 +302,6 @@ class Session:
                 entry, result = cached_job("artifacts", key, "harness.backends:compile_job", self.limits.compile_s,
                                            make, self.counts, admission_key=f"compile/{backend.name}/{step}")
             else:
-                from .plumbing.targets import compile_on_target
-
                 entry, result = compile_on_target(target, backend, key, make, self.limits.compile_s, self.counts)
         rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"
         if result is not None:
@@ -348,9 +328,6 @@ class Session:
         alone, so that a warm re-run needs neither the program nor the artifact in the cache (nearly
         all of its bytes: a matrix's fill the 40 GiB default, its runs 100 MB). The artifact's
         audit and size come with the saved run. None when no run was saved: export, compile, run."""
-        from .plumbing import cache, run_cache
-        from .programs import program_key
-
         key, _ = program_key(step, inputs, patches, self.model.digest)
         artifact_path = cache.entry("artifacts", backend.artifact_key(key)) / backend.artifact_name
         reused = self.reused_run(backend, run_cache.run_key(artifact_path, list(inputs.values() if isinstance(
@@ -389,8 +366,6 @@ class Session:
                    tag: str = "") -> tuple[list, dict] | None:
         """(outputs, the stored run's figures) of the saved local run `key` (run_cache.run_key of an
         artifact and its inputs) with `reuse_runs`, or None. Fills the record's run figures as the run had."""
-        from .plumbing import run_cache
-
         if not key or not self.reuse_runs:
             return None
         run_dir, onnx = self.run_inputs(backend, inputs, run_name, write=False)
@@ -410,8 +385,6 @@ class Session:
         and a whole-model file: available, its declared ports read (once per content and session),
         copied into the artifact cache (its "compile"), runnable here. None with the record's
         verdict and reason set (prefixed by `where`) when one of them fails."""
-        from .backends.prebuilt import PrebuiltBackend, ports_from_job
-
         backend = PrebuiltBackend(path)
         ok, why = backend.available()
         if not ok:
@@ -442,9 +415,6 @@ class Session:
         session (a stage's local and chained runs share it): an ONNX read here, a protobuf parse
         that a port's validation already made (memoized); other formats in a child, since a
         runtime's loader can crash on a corrupted file."""
-        from .backends.prebuilt import describe_as_json
-        from .plumbing.jobs import JobResult, run_job
-
         key = backend.artifact_key()
         if key in self.described_artifacts:
             return self.described_artifacts[key]
@@ -464,9 +434,6 @@ class Session:
                      tag: str = "") -> list | None:
         """Run a compiled artifact on `inputs` in a child process. Its outputs are saved in the cache
         and, with `reuse_runs`, a local run whose artifact and inputs were run before is not run again."""
-        from .plumbing import run_cache
-        from .plumbing.targets import TargetUnreachable
-
         target = self.target_for(rec.target.get("name") or "local")
         key = run_cache.run_key(artifact_path, list(inputs.values() if isinstance(inputs, dict) else inputs),
                                  backend.name) if target.kind == "local" else None
@@ -477,7 +444,6 @@ class Session:
             return self.not_warm(rec, "run", run_name)
         run_dir, onnx = self.run_inputs(backend, inputs, run_name)
         ext = ".npz" if onnx else ".pt"
-        from . import progress
 
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
             with progress.phase(f"running {tag}".strip("_. ")):
@@ -516,8 +482,6 @@ class Session:
 
     @staticmethod
     def _outputs(run_dir: Path, onnx: bool) -> list:
-        import torch
-
         if onnx:
             return [torch.from_numpy(a) for a in load_arrays(run_dir / "outputs.npz")]
         return torch.load(run_dir / "outputs.pt", weights_only=True)
@@ -525,11 +489,6 @@ class Session:
     # -- judging ------------------------------------------------------------------------------
     def judge(self, rec: Record, r: Resolved, outputs: list) -> Record:
         """Fill the record's metrics, drifts, audio and verdict from the item's outputs."""
-        from .reference import references_for
-        from .verdict import judge_outputs
-
-        from .backends import precision_of
-
         item, traces = r.item, r.traces
         rec.precision = precision_of(r.backend)  # a float16 backend is judged by the float16 floor
         refs = references_for(self.model, r.case, traces, item.step, item.mode, rec.patches, rec.precision)
@@ -543,9 +502,6 @@ class Session:
         rec.audio_metrics, rec.verdict, rec.reason = j.audio_metrics, j.verdict, j.reason
         rec.shippable, rec.shippable_reason = j.shippable, j.shippable_reason
         if j.audio_metrics:
-            from .metrics.audio import write_audio
-            from .record import real_time
-
             audio_s = max(a.get("duration_s", 0) for a in j.audio_metrics.values())
             rec.real_time = real_time(rec.timings.get("run_s"), audio_s)
 
@@ -571,9 +527,6 @@ def run_preload(backend: Backend) -> dict:
 
 def audio_metrics_of(names: list[str], outputs: dict, reference: dict, valid) -> dict:
     """PESQ, MCD and friends for the outputs along `samples` (valid region, against float64)."""
-    from .metrics.audio import audio_metrics
-    from .model import SAMPLE_RATE
-
     out = {}
     for name in names:
         ref = valid(name, reference[name])[0].double().numpy()

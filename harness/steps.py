@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .patches.length_aware_norm import provide_frame_lengths
 from .patches import NOISE_INPUTS, provide_noise, run_padded
+from .patches.length_aware_norm import provide_frame_lengths
 
 # Unit -> how many of it per token / alignment frame. `samples` = 600 per frame (24 kHz).
 FRAME_UNITS = {"frames": 1, "frames2": 2, "samples": 600}

@@ -21,6 +21,8 @@ and fails when a defect does not reproduce. `check_bundles`
 from __future__ import annotations
 
 import copy
+import importlib.metadata as md
+import importlib.util
 import inspect
 import os
 import platform
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,6 +40,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .plumbing.files import atomic_write_text
+from .repro import _cpu
 
 REPRODUCED, FIXED, CANNOT_RUN, CHANGED = 1, 0, 2, 3
 STATUS = {REPRODUCED: "reproduces", FIXED: "fixed", CANNOT_RUN: "cannot run here", CHANGED: "changed"}
@@ -53,6 +59,7 @@ def default_dir() -> Path:
 
 # ---- the minimal programs ---------------------------------------------------------------------
 # Each stands for one spot of Kokoro (or of the ALBERT it runs) where the matrix met the defect.
+# Pasted into repro.py with inspect.getsource: a method imports what it needs (torch's scan) itself.
 
 class AlbertPositions(nn.Module):
     """ALBERT's embeddings: `self.position_ids[:, :seq_length]` with seq_length the whole table."""
@@ -238,6 +245,8 @@ def _stft_like():
 
 # ---- the checks inlined into repro.py --------------------------------------------------------
 # Each `check(program, inputs, expected) -> (exit code, message)` imports only its runtime inside.
+# Their imports stay in their bodies: inspect.getsource pastes them into a standalone repro.py, and
+# the runtimes are optional.
 
 def classify(error):
     """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
@@ -805,8 +814,6 @@ def repro_source(d: Defect) -> str:
 
 
 def _version(dist: str) -> str:
-    import importlib.metadata as md
-
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
@@ -816,8 +823,6 @@ def _version(dist: str) -> str:
 def kokoro_line(d: Defect) -> str:
     """`file:line: code` of the Kokoro (or transformers) line the program stands for, found in
     the installed sources (not imported)."""
-    import importlib.util
-
     rel, text = d.source
     spec = importlib.util.find_spec(rel.split("/")[0])
     if spec is None or not spec.submodule_search_locations:
@@ -834,8 +839,6 @@ def kokoro_line(d: Defect) -> str:
 
 def build_bundle(d: Defect, out: Path) -> Path:
     """Write program.pt2, inputs.pt, expected.pt (float64), repro.py and ENV.md (and model.onnx)."""
-    from .plumbing.files import atomic_write_text
-
     bundle = out / d.name
     if bundle.exists():
         shutil.rmtree(bundle)
@@ -851,8 +854,6 @@ def build_bundle(d: Defect, out: Path) -> Path:
     torch.save(list(inputs), bundle / "inputs.pt")
     torch.save({"float64": [e.detach() for e in expected]}, bundle / "expected.pt")
     if d.onnx:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True, verbose=False).save(
@@ -863,8 +864,6 @@ def build_bundle(d: Defect, out: Path) -> Path:
 
 
 def _env_md(d: Defect) -> str:
-    from .repro import _cpu
-
     rows = [("Python", platform.python_version()), ("OS", platform.platform()),
             ("CPU", f"{_cpu()} ({os.cpu_count()} logical cores)"), ("torch", _version("torch")),
             ("numpy", _version("numpy"))]
@@ -1140,8 +1139,6 @@ def check_bundles(root: Path | None = None, timeout: float = 900) -> list[dict]:
 
 def main(out: Path | None = None, only: list[str] | None = None, check_only: bool = False) -> int:
     """Regenerate (or only re-check) the bundles; 1 when any defect does not reproduce."""
-    from .plumbing.files import atomic_write_text
-
     out = Path(out or default_dir())
     unknown = [n for n in only or [] if n not in BY_NAME]
     if unknown:

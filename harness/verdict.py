@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import yaml
 from pydantic import ConfigDict, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from .metrics.tensor import compare_to_floor, error_metrics
 
 
 class Verdict(str, enum.Enum):
@@ -185,8 +188,6 @@ def shippable(tol: Tolerance, audio: dict[str, dict[str, Any]] | None = None,
     +-max_level_db; `duration` outputs (backend, float64 reference): every valid token's rounded
     duration (kokoro's round, clamped at 1) equal to the reference's. (None, reason) when the step has
     neither: its output is not heard, only what it feeds. NaN is never shippable."""
-    import numpy as np
-
     checks = []
     for n, a in (audio or {}).items():
         if n.endswith("_unforced"):
@@ -238,8 +239,6 @@ def judge_outputs(names: list[str], outputs: list, refs, valid: Callable[[str, A
     (`audio()` gives the audio metrics, computed once the shapes are known to agree). A float16
     backend (`precision`) is judged against the float16 floor (`refs.fp16`), the fp32 floor beside
     it; every item also gets the `shippable` bar."""
-    from .metrics.tensor import compare_to_floor, error_metrics
-
     j = StepJudgement()
     if len(outputs) != len(names):
         j.verdict, j.reason = Verdict.RUN_ERROR, f"{len(outputs)} outputs, expected {len(names)} ({names})"

@@ -10,12 +10,18 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
+import json
+import multiprocessing
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..plumbing.files import size_of
+from ..plumbing import cache
+from ..plumbing.files import atomic_write_json, content_key, size_of
 from ..plumbing.jobs import first_error_line
 from ..plumbing.targets import probe as probe_machine
 from .cost import CostLaw
@@ -133,8 +139,6 @@ class Backend:
     def artifact_key(self, program_key: str) -> str:
         """The cache key of this backend's artifact of a program. `version()` is part of it: a
         backend whose compile depends on its configuration must say so in `version()`."""
-        from ..plumbing.files import content_key
-
         return content_key("artifact", program_key, self.name, self.version())
 
     def repro_source(self) -> str | None:
@@ -167,11 +171,6 @@ class Backend:
         that computes it (its module's source), the packages it reads and the workarounds switched
         off. Backends that share it share one audit per program (xnnpack, portable, xnnpack-fp16;
         onnxruntime, tvm-onnx). None: no audit to keep (the default one is empty)."""
-        import inspect
-        import sys
-
-        from ..plumbing.files import content_key
-
         fn = type(self).audit
         if fn is Backend.audit:
             return None
@@ -250,6 +249,7 @@ def precision_of(backend: Backend) -> str:
 
 def get_backend(name: str) -> Backend:
     if name.startswith("prebuilt:"):  # a user's artifact (harness.backends.prebuilt): one per file
+        # cycle: prebuilt imports this module
         from .prebuilt import PREFIX, PrebuiltBackend
 
         return PrebuiltBackend(name[len(PREFIX):])
@@ -292,10 +292,6 @@ def audit_of(b: Backend, program_path: Path, audit_dir: str | None = None) -> tu
 
     if path is None:
         return compute(), None
-    import json
-
-    from ..plumbing import cache
-    from ..plumbing.files import atomic_write_json
 
     with cache.lock(path):  # a second compile of the program waits for the first one's audit
         try:
@@ -314,9 +310,6 @@ def audit_beside(b: Backend, program_path: Path, audit_dir: str | None = None):
     cold compile does not wait for it. A kept audit is read here, without a process; a backend
     without an audit, or a system without fork, gets it in this process first.
     The forked process's memory is not in the job's polled peak (its own peak is, once reaped)."""
-    import json
-    import multiprocessing
-
     key = b.audit_key() if audit_dir else None
     if key:
         try:
@@ -397,8 +390,7 @@ def probe_job(backends: list[str]) -> dict[str, Any]:
 
 
 def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
-    import time
-
+    # torch-free: harness.backends.onnx_child is imported through this package
     import torch
 
     b = get_backend(backend)
@@ -421,8 +413,6 @@ def prepare_run(backend: str) -> None:
 def compile_run_job(backend: str, program_path: str, out_dir: str, inputs_path: str, outputs_path: str) -> dict:
     """Job function: compile_job then run_job in one child (a bisection probe); `compiled.json`
     marks that the compile finished, so a crash after it is known to be the run's."""
-    from ..plumbing.files import atomic_write_json
-
     compiled = compile_job(backend, program_path, out_dir)
     atomic_write_json(Path(out_dir) / "compiled.json", compiled)
     artifact = Path(out_dir) / get_backend(backend).artifact_name

@@ -18,11 +18,15 @@ coremltools 9.0, apache-tvm 0.27.0.post1 (docs/targets.md):
 """
 from __future__ import annotations
 
+import importlib.util
 import platform
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from .executorch import EXECUTORCH_PATCHES, XnnpackBackend
-from .tvm import TvmBackend
+from .tvm import TvmBackend, _flatten, converter_fixes
 
 
 def _not_macos(what: str) -> tuple[bool, str]:
@@ -32,6 +36,7 @@ def _not_macos(what: str) -> tuple[bool, str]:
 
 
 def _et_runtime_has(name: str) -> tuple[bool, str]:
+    # optional runtime: executorch extra
     from executorch.runtime import Runtime
 
     registry = Runtime.get().backend_registry
@@ -61,6 +66,7 @@ class EtCoreMLBackend(XnnpackBackend):
         return super().version() + f";compute_units={self.compute_units}"
 
     def partitioners(self) -> list:
+        # optional runtimes: coreml, executorch extras
         import coremltools as ct
         from executorch.backends.apple.coreml.compiler import CoreMLBackend
         from executorch.backends.apple.coreml.partition import CoreMLPartitioner
@@ -91,7 +97,6 @@ class EtMpsBackend(XnnpackBackend):
         ok, why = super().available()
         if not ok:
             return ok, why
-        import importlib.util
 
         try:
             found = importlib.util.find_spec("executorch.backends.apple.mps") is not None
@@ -103,6 +108,7 @@ class EtMpsBackend(XnnpackBackend):
         return True, ""
 
     def partitioners(self) -> list:
+        # optional runtime: executorch extra
         from executorch.backends.apple.mps.partition import MPSPartitioner
 
         return [MPSPartitioner([])]
@@ -132,12 +138,10 @@ class TvmMetalBackend(TvmBackend):
         return super().available()
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        import torch
+        # optional runtime: tvm extra
         import tvm
         from tvm import relax
         from tvm.relax.frontend.torch import from_exported_program
-
-        from .tvm import converter_fixes
 
         mod = from_exported_program(torch.export.load(str(program_path)),
                                     custom_convert_map=converter_fixes(self.disabled_workarounds()))
@@ -154,6 +158,7 @@ class TvmMetalBackend(TvmBackend):
         ok, why = _not_macos("TVM's Metal runtime")
         if not ok:
             return ok, why
+        # optional runtime: tvm extra
         import tvm
 
         if not tvm.metal().exist:
@@ -161,12 +166,9 @@ class TvmMetalBackend(TvmBackend):
         return True, ""
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        import numpy as np
-        import torch
+        # optional runtime: tvm extra
         import tvm
         from tvm import relax
-
-        from .tvm import _flatten
 
         dev = tvm.metal()
         vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact_path)), dev)

@@ -6,11 +6,17 @@ SKIPPED after compiling (`runnable`), never passed.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+import torch
+from torch._decomp import decomposition_table
+
+from ..precision.islands import keep_tag, op_selector_for, read_keep_list
 from . import Backend, Workaround
 from .tvm import COMMON_PATCHES
 
@@ -46,9 +52,6 @@ def _inference_ir(program, disabled=()):
     lower (ALBERT's `new_ones`: 'Unsupported fx node new_ones'), so that a gap a graph rewrite can close
     is not the user's failure. `disabled`: the named workarounds left out (alias_drop, and_rename,
     lstm_converter, decompose_unlowered), so that the defect they hide shows."""
-    import torch
-    from torch._decomp import decomposition_table
-
     # the same op under a name coremltools lowers: `a & b` of masks is aten.__and__, which has no MIL
     # lowering while bitwise_and has (ALBERT's attention mask; CustomSTFT's phase mask)
     aliases = {} if "and_rename" in disabled else {torch.ops.aten.__and__.Tensor: torch.ops.aten.bitwise_and.Tensor}
@@ -89,6 +92,7 @@ class _LstmOutputs:
 
 
 def _convert_lstm_input(context, node):
+    # optional runtime: coreml extra
     from coremltools.converters.mil.frontend.torch import ops
 
     seen = _LstmOutputs(node)
@@ -103,6 +107,7 @@ def _lstm_converter(enabled: bool = True) -> None:
     that kind, Kokoro's LSTMs convert as Core ML ports ship them, in a time flat in T (the cell
     written out per step took about 6 min at 1,536 steps). `enabled=False` takes our registration out
     again, so that `--no-workaround lstm_converter` shows the defect in this process too."""
+    # optional runtime: coreml extra
     from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY as registry
 
     if enabled and "lstm.input" not in registry:
@@ -112,6 +117,7 @@ def _lstm_converter(enabled: bool = True) -> None:
 
 
 def _kind(target) -> str:
+    # optional runtime: coreml extra
     from coremltools.converters.mil.frontend.torch.torch_op_registry import sanitize_op_kind
 
     try:
@@ -128,6 +134,7 @@ def _ops(program) -> Counter:
 def mil_gaps(program) -> dict:
     """Ops of the program that coremltools' torch frontend has no MIL lowering for (its registry,
     looked up the way its EXIR frontend names nodes)."""
+    # optional runtime: coreml extra
     from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
 
     ops: Counter = Counter()
@@ -185,8 +192,6 @@ class _CoreMLBackend(Backend):
         return True, ""
 
     def audit(self, program_path: Path) -> dict:
-        import torch
-
         return mil_gaps(_inference_ir(torch.export.load(str(program_path)), self.disabled_workarounds()))
 
     def keep_fp32(self) -> list[str]:
@@ -194,15 +199,13 @@ class _CoreMLBackend(Backend):
         return []
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
+        # optional runtime: coreml extra
         import coremltools as ct
-        import torch
 
         program = _inference_ir(torch.export.load(str(program_path)), self.disabled_workarounds())
         precision, kept = getattr(ct.precision, self.precision), None
         keep = self.keep_fp32()
         if keep:  # harness.precision: the keep-list's modules stay float32 (FP16ComputePrecision's op_selector)
-            from ..precision.islands import op_selector_for
-
             selector, kept = op_selector_for(program, keep)
             precision = ct.transform.FP16ComputePrecision(op_selector=selector)
         model = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
@@ -219,18 +222,15 @@ class _CoreMLBackend(Backend):
 
     def repro_source(self) -> str:
         """The graph fixes of `_inference_ir` inlined (the repro converts what the backend converts)."""
-        import inspect
-
-        helpers = "from collections import Counter\n\n\n" + "".join(
+        helpers = "from collections import Counter\n\nfrom torch._decomp import decomposition_table\n\n\n" + "".join(
             inspect.getsource(f) + "\n\n" for f in (_LstmOutputs, _convert_lstm_input, _lstm_converter, _kind, _ops,
                                                       mil_gaps, _inference_ir))
         helpers += f"DISABLED = {sorted(self.disabled_workarounds())!r}  # workarounds left out\n\n\n"
         return helpers + REPRO_RUNNER.replace("@PRECISION@", self.precision).replace("@UNITS@", self.compute_units)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
+        # optional runtime: coreml extra
         import coremltools as ct
-        import numpy as np
-        import torch
 
         model = ct.models.MLModel(str(artifact_path), compute_units=getattr(ct.ComputeUnit, self.compute_units))
         self.run_audit = {"compute_units": self.compute_units}  # into the record's audit
@@ -256,11 +256,7 @@ class CoreMLFp16Backend(_CoreMLBackend):
 
     def keep_fp32(self) -> list[str]:
         """$KOKORO_PARITY_KEEP_FP32 (`--keep-fp32 FILE`): modules whose ops stay float32."""
-        from ..precision.islands import read_keep_list
-
         return read_keep_list()
 
     def version(self) -> str:
-        from ..precision.islands import keep_tag
-
         return super().version() + keep_tag(self.keep_fp32())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from . import Backend
 
 
@@ -27,8 +29,6 @@ class EagerBackend(Backend):
 '''
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        import torch
-
         module = torch.export.load(str(artifact_path)).module()
         with torch.no_grad():
             out = module(*inputs)

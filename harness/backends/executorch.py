@@ -4,8 +4,11 @@ the delegate (control-flow bodies included): those ops run on portable kernels a
 cause of slow runs."""
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from pathlib import Path
+
+import torch
 
 from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, CostLaw
@@ -13,8 +16,6 @@ from .cost import AUDIO_SECONDS, CostLaw
 
 def _core_aten_violations(program) -> dict[str, int]:
     """Ops of the program outside the Core ATen set (ExecuTorch rejects them without a decomposition)."""
-    import torch
-
     counts: Counter = Counter()
     for node in program.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
@@ -110,9 +111,11 @@ class XnnpackBackend(Backend):
                 and "control_flow_partitioner" not in self.disabled_workarounds())
 
     def partitioners(self) -> list:
+        # optional runtime: executorch extra
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         if self._control_flow_partitioner():
+            # optional runtime: control_flow imports executorch at its top
             from .control_flow import XnnpackControlFlowPartitioner
 
             return [XnnpackControlFlowPartitioner()]
@@ -131,8 +134,8 @@ class XnnpackBackend(Backend):
     def repro_source(self) -> str:
         if not self._control_flow_partitioner():
             return REPRO_RUNNER.format(**self.repro_partitioner)
-        import inspect
 
+        # optional runtime: control_flow imports executorch at its top
         from . import control_flow
 
         helpers = CONTROL_FLOW_IMPORTS + "".join(inspect.getsource(f) + "\n\n" for f in (
@@ -142,13 +145,11 @@ class XnnpackBackend(Backend):
             partitioners="[XnnpackControlFlowPartitioner()]")
 
     def audit(self, program_path: Path) -> dict:
-        import torch
-
         program = torch.export.load(str(program_path))
         return {"non_core_aten_ops": _core_aten_violations(program.run_decompositions())}
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        import torch
+        # optional runtime: executorch extra
         from executorch.exir import to_edge_transform_and_lower
 
         program = torch.export.load(str(program_path))
@@ -160,6 +161,7 @@ class XnnpackBackend(Backend):
         return audit
 
     def run(self, artifact_path: Path, inputs: list) -> list:
+        # optional runtime: executorch extra
         from executorch.runtime import Runtime
 
         method = Runtime.get().load_program(str(artifact_path)).load_method("forward")
@@ -192,9 +194,11 @@ def _delegation(edge) -> dict:
     """ExecuTorch's delegation info of the lowered graph and, once each, of its control-flow bodies
     (`get_delegation_info` reads one graph: a scan body's nodes, delegated or not, would be missing)."""
     try:
+        # optional runtime: executorch extra
         from executorch.devtools.backend_debug import get_delegation_info
     except ImportError:
         return {}
+    # optional runtime: control_flow imports executorch at its top
     from .control_flow import control_flow_bodies
 
     top = edge.exported_program().graph_module

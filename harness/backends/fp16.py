@@ -8,9 +8,14 @@ inputs) against that limit, and where float16 first turns non-finite.
 from __future__ import annotations
 
 import copy
+import inspect
 import shutil
 from pathlib import Path
 
+import torch
+import torch.fx
+
+from ..precision.islands import keep_float32_graph, keep_tag, node_module_path, not_in_program, read_keep_list
 from . import Backend
 from .cost import AUDIO_SECONDS, CostLaw
 from .tvm import COMMON_PATCHES
@@ -22,8 +27,6 @@ TOP = 15  # submodules listed in the audit, by largest activation
 def _to_dtype(graph_module, dtype):
     """Cast parameters, buffers and tensor constants, and rewrite the float32 that the graph
     hard-codes (arange(dtype=...), .type(torch.float32)) so that the whole program is `dtype`."""
-    import torch
-
     graph_module = graph_module.to(dtype)
     for name, value in list(vars(graph_module).items()):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -40,11 +43,6 @@ def _to_dtype(graph_module, dtype):
 def activation_ranges(graph_module, inputs) -> tuple[list, dict]:
     """Run `graph_module` node by node; returns (outputs, per submodule: largest finite |x| and
     whether any value was non-finite, plus the first node that produced a non-finite value)."""
-    import torch
-    import torch.fx
-
-    from ..precision.islands import node_module_path
-
     stats: dict[str, dict] = {}
     first_nonfinite: list[str] = []
 
@@ -94,8 +92,6 @@ class Fp16Backend(Backend):
     def version(self) -> str:
         """With $KOKORO_PARITY_KEEP_FP32 (a keep-list of `kokoro-parity precision`), the modules it
         names run in float32: part of the version, so of the artifact key and the record."""
-        from ..precision.islands import keep_tag, read_keep_list
-
         return super().version() + keep_tag(read_keep_list())
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
@@ -104,16 +100,11 @@ class Fp16Backend(Backend):
 
     def repro_source(self) -> str:
         """The dtype rewrite this backend applies, inlined."""
-        import inspect
-
         return inspect.getsource(_to_dtype) + "\n\n" + REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        import torch
-
         program = torch.export.load(str(artifact_path))
         _, fp32 = activation_ranges(program.module(), inputs)
-        from ..precision.islands import keep_float32_graph, read_keep_list
 
         keep = read_keep_list()
         full = copy.deepcopy(program.module()) if keep else None  # _to_dtype casts the shared parameters
@@ -135,8 +126,6 @@ class Fp16Backend(Backend):
                           "fp16_first_nonfinite": fp16["first_nonfinite"],
                           "activations_by_module": rows[:TOP]}
         if keep:
-            from ..precision.islands import not_in_program
-
             self.run_audit["keep_fp32"] = keep
             self.run_audit["keep_fp32_not_in_program"] = not_in_program(program.graph, keep)
         return [o.float() for o in outputs]

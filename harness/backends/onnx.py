@@ -11,6 +11,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from ..plumbing.jobs import first_error_line
 from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
@@ -28,6 +32,7 @@ def exporter_gaps(program) -> dict:
     """Ops that the dynamo exporter's ONNX registry has no translation for, after its own
     decomposition (torch's internal API: absent in other torch versions, then not audited)."""
     try:
+        # optional runtime: the torch ONNX exporter needs onnxscript
         from torch.onnx._internal.exporter import _fx_passes, _registration
     except ImportError as e:
         return {"exporter_audit": f"unavailable: {e}"}
@@ -43,8 +48,6 @@ def exporter_gaps(program) -> dict:
 def export_onnx(program_path: Path, out_path: Path) -> dict:
     """Dynamo exporter first; on failure the TorchScript exporter on the program's module.
     Writes `out_path` (weights inside) and io.json beside it; returns what happened."""
-    import torch
-
     program = torch.export.load(str(program_path))
     names = [s.arg.name for s in program.graph_signature.input_specs
              if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
@@ -55,8 +58,6 @@ def export_onnx(program_path: Path, out_path: Path) -> dict:
         onnx_program.save(str(out_path), external_data=False)
         info["exporter"] = "dynamo"
     except Exception as e:  # noqa: BLE001 - a rejection of the dynamo exporter is recorded, then the fallback
-        from ..plumbing.jobs import first_error_line
-
         info["dynamo_error"] = first_error_line(e)
         if not program.example_inputs:
             raise
@@ -64,6 +65,7 @@ def export_onnx(program_path: Path, out_path: Path) -> dict:
         torch.onnx.export(program.module(), args, str(out_path), dynamo=False, opset_version=17,
                           input_names=names)
         info["exporter"] = "torchscript"
+    # heavy runtime: onnx, only where an ONNX file is read
     import onnx
 
     model = onnx.load(str(out_path), load_external_data=False)
@@ -140,8 +142,6 @@ class OnnxRuntimeBackend(Backend):
     description = "torch.onnx.export (dynamo, TorchScript fallback) -> onnxruntime CPU"
 
     def audit(self, program_path: Path) -> dict:
-        import torch
-
         return exporter_gaps(torch.export.load(str(program_path)))
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
@@ -151,9 +151,8 @@ class OnnxRuntimeBackend(Backend):
         return ORT_REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        import numpy as np
+        # heavy runtime: onnxruntime, only where an ONNX file runs
         import onnxruntime as ort
-        import torch
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
@@ -164,6 +163,7 @@ class OnnxRuntimeBackend(Backend):
 
 
 def tvm_onnx_gaps(model) -> dict:
+    # optional runtime: tvm extra
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
     convert_map = _get_convert_map()
@@ -218,6 +218,7 @@ class TvmOnnxBackend(Backend):
     audit_requires = OnnxRuntimeBackend.audit_requires
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
+        # heavy runtime: onnx, only where an ONNX file is read; optional runtime: tvm extra
         import onnx
         from tvm.relax.frontend.onnx import from_onnx
 

@@ -11,6 +11,10 @@ import os
 import time
 from collections import OrderedDict
 
+import numpy as np
+
+from ..plumbing.files import load_arrays, save_arrays
+
 _NP = {"tensor(float16)": "float16", "tensor(int32)": "int32", "tensor(float)": "float32",
        "tensor(int64)": "int64", "tensor(bool)": "bool", "tensor(double)": "float64"}
 
@@ -22,6 +26,7 @@ KEPT_SESSIONS = 4
 
 
 def session_for(path: str):
+    # heavy runtime: onnxruntime, only where an ONNX file runs
     import onnxruntime as ort
 
     st = os.stat(path)
@@ -39,8 +44,6 @@ def session_for(path: str):
 
 def run_onnx(path: str, inputs: list) -> list:
     """Run an ONNX file on numpy arrays in its own input order, each cast to its declared dtype."""
-    import numpy as np
-
     sess = session_for(str(path))
     feed = {}
     for port, a in zip(sess.get_inputs(), inputs):
@@ -51,8 +54,6 @@ def run_onnx(path: str, inputs: list) -> list:
 
 def run_onnx_job(artifact_path: str, inputs_path: str, outputs_path: str) -> dict:
     """Job function (child process): the .npz inputs in, the .npz outputs out; a crash stays here."""
-    from ..plumbing.files import load_arrays, save_arrays
-
     inputs = load_arrays(inputs_path)
     start = time.perf_counter()
     outputs = run_onnx(artifact_path, inputs)

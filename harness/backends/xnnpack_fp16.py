@@ -11,17 +11,16 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import torch
+from torch.export import Dim
+
 from .executorch import EXECUTORCH_PATCHES, XnnpackBackend, _delegation
+from .fp16 import _to_dtype
 
 
 def half_program(program):
     """The exported program in float16: cast by `_to_dtype`, re-exported on float16 example inputs
     with the same dimensions left dynamic (Dim.AUTO where the program's input has a symbolic size)."""
-    import torch
-    from torch.export import Dim
-
-    from .fp16 import _to_dtype
-
     module = _to_dtype(copy.deepcopy(program.module()), torch.float16)
     user = [n for n in program.graph.nodes if n.op == "placeholder"
             and n.name in program.graph_signature.user_inputs]
@@ -47,7 +46,7 @@ class XnnpackFp16Backend(XnnpackBackend):
     description = "ExecuTorch XNNPACK on the program cast to float16 (judged by the float16 floor)"
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        import torch
+        # optional runtime: executorch extra
         from executorch.exir import to_edge_transform_and_lower
 
         program = half_program(torch.export.load(str(program_path)))
@@ -57,8 +56,6 @@ class XnnpackFp16Backend(XnnpackBackend):
         return audit
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        import torch
-
         half = [t.half() if t.is_floating_point() else t for t in inputs]
         return [o.float() if torch.is_tensor(o) and o.is_floating_point() else o for o in super().run(artifact_path, half)]
 

@@ -25,13 +25,21 @@ from __future__ import annotations
 
 import math
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .graph import BisectError, StepGraph, evaluate, is_float, is_tensor, module_boundaries, module_path, restore_names, \
-    source_line, strip_kmodel
+from .. import progress
+from ..backends import get_backend
+from ..metrics.tensor import error_metrics
+from ..plumbing.jobs import Limits, first_error_line
+from ..programs import ensure_program
+from ..steps import get_step
+from ..verdict import comparator
+from .graph import (BisectError, StepGraph, evaluate, is_float, is_tensor, module_boundaries, module_path,
+                    restore_names, source_line, strip_kmodel)
 from .probe import BISECT_VERSION, Probe, key_metrics, run_probe
 from .search import first_failing
 
@@ -74,11 +82,6 @@ class Bisector:
                  report_dir: Path, item_id: str, limits=None, depth: int = 2,
                  log: Callable[[str], None] | None = None, errors_count: bool = False,
                  band_from: str | None = None):
-        from ..backends import get_backend
-        from ..options import Limits
-        from ..steps import get_step
-        from ..verdict import comparator
-
         self.program_key, self.item_id, self.depth, self.errors_count = program_key, item_id, depth, errors_count
         self.log = log or (lambda msg: None)
         self.backend = get_backend(backend)
@@ -102,9 +105,6 @@ class Bisector:
     def for_item(cls, session, item, depth: int = 2, log=None, verdict: str = "fail",
                  band_from: str | None = None) -> "Bisector":
         """The item's own program: the same key and cache entry as the runner's (programs.ensure_program)."""
-        from ..backends import get_backend
-        from ..programs import ensure_program
-
         backend = get_backend(item.backend)
         inputs = session.traces(item.case).inputs(item.step, item.mode, "float32")
         entry, key, result = ensure_program(session.weights, session.model.digest, item.step, inputs,
@@ -119,8 +119,6 @@ class Bisector:
     def probe(self, phase: str, label: str, outputs: list[str], stop=(), feed: dict | None = None,
               keep: bool = False, backend=None) -> Probe:
         """Run one probe (`probe.run_probe`); its output values are kept only with `keep`."""
-        from .. import progress
-
         with progress.phase(f"bisecting ({phase} probe {len(self.probes) + 1}: {label})"):
             p = run_probe(self.graph, backend or self.backend, self.check, self.limits,
                           self.run_root / backend.name if backend else self.run_root, phase, label, outputs, stop, feed)
@@ -226,8 +224,6 @@ class Bisector:
         backend's). Each value's `band_rel_l2` (distance to the band's value) and
         `band_own_rel_l2` (the band's own error) go into p's metrics. Without a band run, the
         rule alone."""
-        from ..metrics.tensor import error_metrics
-
         first = self.band_result is None
         b = self.probe("band", f"{self.band.name}: {p.label}", outputs, stop, feed=self.band_values if stop else None,
                        keep=True, backend=self.band)
@@ -400,7 +396,7 @@ class Bisector:
         else:
             out.update(localized(op))
             if repro:
-                from ..repro import write_bundle
+                from ..repro import write_bundle  # cycle: repro imports harness.bisect.graph, so this package
 
                 out["repro"] = write_bundle(self, op, verify=verify)
         out["compiles"] = self.counts["compiles"]
@@ -453,10 +449,6 @@ def bisect_item(session, item, record=None, depth: int = 2, repro: bool = True, 
                 log: Callable[[str], None] | None = None, band_from: str | None = None) -> dict:
     """Localize one item; the result goes into `record.bisect` (rewritten) when given. `band_from`:
     a backend that is right where this one fails (see Bisector.beyond_band)."""
-    import traceback
-
-    from ..plumbing.jobs import first_error_line
-
     verdict = record.verdict.value if record is not None else "fail"
     try:
         result = Bisector.for_item(session, item, depth=depth, log=log, verdict=verdict,

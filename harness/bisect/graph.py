@@ -2,8 +2,17 @@
 exported subprograms the step's node names back. Graph surgery only: no backend, no search."""
 from __future__ import annotations
 
+import copy
+import math
+import operator
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .. import progress
 
 
 class BisectError(RuntimeError):
@@ -11,8 +20,6 @@ class BisectError(RuntimeError):
 
 
 def is_tensor(node) -> bool:
-    import torch
-
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
@@ -21,8 +28,6 @@ def is_float(node) -> bool:
 
 
 def _mutates(node) -> bool:
-    import torch
-
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
@@ -80,9 +85,6 @@ class StepGraph:
     """The step's program as an unlifted FX graph: carve subprograms, evaluate references."""
 
     def __init__(self, program_path: Path, inputs: list):
-        import torch
-        from torch.utils import _pytree as pytree
-
         self.program = torch.export.load(str(program_path))
         self.gm = self.program.module()
         self.nodes = list(self.gm.graph.nodes)
@@ -127,10 +129,6 @@ class StepGraph:
     def carve(self, outputs: list[str], stop=()):
         """A standalone GraphModule computing `outputs` from the closure's inputs; node names and
         metadata (module stack, source lines) are the step's."""
-        import torch.fx as fx
-
-        import torch
-
         keep, inputs = self.closure(outputs, stop)
         graph = fx.Graph()
         env, out = {}, {}
@@ -162,8 +160,6 @@ class StepGraph:
         cache = self._values.setdefault(dtype, {})
         missing = [n for n in dict.fromkeys(names) if n not in cache and n not in self.inputs]
         if missing:  # from the values already known (the same ops on the same inputs: the same values)
-            from .. import progress
-
             with progress.phase(f"bisecting (references of {len(missing)} nodes in {dtype})"):
                 gm, inputs = self.carve(missing, list(cache))
                 if any(i not in cache and i not in self.inputs for i in inputs):  # a value mutated in place
@@ -206,8 +202,6 @@ class StepGraph:
         """How much each tap's error (its ratio to its fp32 floor) grows over the largest of its
         nearest tapped (or input) ancestors': a NaN made from finite inputs jumps infinitely, a value
         that carries its inputs' error along jumps ~1."""
-        import math
-
         def ratio(name: str) -> float:
             m = metrics.get(name)
             if m is None:
@@ -245,10 +239,6 @@ class StepGraph:
 
 
 def _as_float64(gm):
-    import copy
-
-    import torch
-
     gm = copy.deepcopy(gm)
     promote = lambda a: torch.float64 if a is torch.float32 else a  # noqa: E731
     for node in gm.graph.nodes:
@@ -272,9 +262,6 @@ def _as_float64(gm):
 def evaluate(gm, inputs: list, dtype: str) -> list:
     """Run a carved GraphModule with torch.fx.Interpreter; float64 casts parameters, constants and
     float inputs, and turns the float32 that tracing baked into ops (LSTM states, casts) into float64."""
-    import torch
-    import torch.fx as fx
-
     if dtype == "float64":
         gm = _as_float64(gm)
     args = [(t.double() if dtype == "float64" and t.is_floating_point() else t).clone() for t in inputs]
@@ -289,8 +276,6 @@ def restore_names(program, carved) -> bool:
     The map is export's own provenance (node.meta["from_node"]); getitems of a multi-output op
     map by index, and those export adds for unused outputs get a name no step node has.
     Returns whether every carved node found its name."""
-    import operator
-
     src = {n.name: n for n in carved.graph.nodes if n.op == "call_function"}
     getitems = {(n.args[0].name, n.args[1]): n.name for n in src.values()
                 if n.target is operator.getitem and hasattr(n.args[0], "name")}

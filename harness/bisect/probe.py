@@ -11,7 +11,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..metrics.tensor import compare_to_floor
+from ..plumbing import cache
 from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
+from ..plumbing.jobs import run_job
 from .graph import BisectError, evaluate, restore_names
 
 BISECT_VERSION = 7  # bump when carving or exporting probes changes: it invalidates cached probes
@@ -67,10 +72,6 @@ class Probe:
 def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list, str, Path]:
     """Carve and export the subprogram (cached by content): (carved gm, input names, input values,
     key, cache entry with program.pt2 and inputs.pt)."""
-    import torch
-
-    from ..plumbing import cache
-
     gm, in_names = graph.carve(outputs, stop)
     # canonical strides, for export too: a value the interpreter left as a transposed view ([1, N, 1]
     # with strides (N, 1, N)) exports with a non-standard dim order that ExecuTorch's own kernels
@@ -100,9 +101,6 @@ def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
     happen in one child, which halves the interpreter start-ups of a bisection. Runs on the
     probe's own inputs unless `inputs_path` is given. Returns (the phase that failed or None,
     JobResult, compiled now?)."""
-    from ..plumbing import cache
-    from ..plumbing.jobs import run_job
-
     key = backend.artifact_key(probe_key)
     outputs_path = run_dir / "outputs.pt"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,9 +137,6 @@ def compile_only(backend, probe_key: str, entry: Path, limits) -> tuple[str | No
     """For a backend that compiles here but cannot run (`Backend.runnable`): compile through the
     artifact cache in a child process, no run. Returns (the phase that failed or None, JobResult
     or None on a cache hit, compiled now?)."""
-    from ..plumbing import cache
-    from ..plumbing.jobs import run_job
-
     key = backend.artifact_key(probe_key)
     if cache.lookup("artifacts", key):
         return None, None, False
@@ -170,8 +165,6 @@ def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: 
     outputs); the outputs then carry the error made before them and are judged against the step's
     references, as if the whole prefix had run, without compiling it. The outputs stay in
     `Probe.values` (not serialized), for the next probe's feed."""
-    import torch
-
     start = time.monotonic()
     gm, in_names, inputs, key, entry = export_probe(graph, outputs, stop)
     probe = Probe(phase, label, list(outputs), in_names, sum(1 for n in gm.graph.nodes if n.op == "call_function"), key)
@@ -213,10 +206,6 @@ def run_probe(graph, backend, check, limits, run_root: Path, phase: str, label: 
 
 
 def _judge(probe: Probe, got: list, refs: tuple[list, list], check) -> None:
-    import torch
-
-    from ..metrics.tensor import compare_to_floor
-
     ref32, ref64 = refs
     whys = []
     for name, out, r32, r64 in zip(probe.outputs, got, ref32, ref64):

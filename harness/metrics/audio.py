@@ -219,6 +219,7 @@ def _pesq(p: _Pair, sample_rate: int) -> Result:
     if not np.any(p.ref) or not np.any(p.cand):
         # the pesq wrapper divides by the joint peak and the C code finds no utterance anyway
         return NAN, "pesq: no utterance (reference or candidate is all zeros)"
+    # heavy runtime: audio metric, imported when computed
     import pesq as pesq_lib
     import soxr
 
@@ -250,6 +251,7 @@ def pesq_wb(reference, candidate, sample_rate: int = 24000) -> float:
 
 def _import_pysptk():
     try:
+        # heavy runtime: audio metric, imported when computed
         import pysptk
     except ModuleNotFoundError as e:
         if e.name != "pkg_resources" or "pysptk" in sys.modules:
@@ -260,6 +262,7 @@ def _import_pysptk():
         try:
             for name in [m for m in sys.modules if m == "pysptk" or m.startswith("pysptk.")]:
                 del sys.modules[name]
+            # heavy runtime: audio metric, imported when computed
             import pysptk
         finally:
             del sys.modules["pkg_resources"]
@@ -268,6 +271,7 @@ def _import_pysptk():
 
 def _frames_power(x: np.ndarray, n_fft: int, hop: int, win: int) -> np.ndarray:
     """|STFT|^2, frames on axis 0 (librosa.stft, Hann, centred with reflect padding)."""
+    # heavy runtime: audio metric, imported when computed
     import librosa
 
     spec = librosa.stft(x, n_fft=n_fft, hop_length=hop, win_length=win, window="hann",
@@ -327,6 +331,7 @@ def _mcd(p: _Pair, sample_rate: int, order: int, dtw: bool) -> Result:
     c_ref = mel_cepstrum(p.ref, sample_rate, order=order)[:, 1:]
     c_cand = mel_cepstrum(p.cand, sample_rate, order=order)[:, 1:]
     if dtw:
+        # heavy runtime: audio metric, imported when computed
         import librosa
 
         _, path = librosa.sequence.dtw(X=c_ref.T, Y=c_cand.T, metric="euclidean")
@@ -347,6 +352,7 @@ def mcd_db(reference, candidate, sample_rate: int = 24000, *, order: int = MCD_O
 # ----------------------------------------------------------------------------- log-mel
 
 def _logmel(x: np.ndarray, sample_rate: int) -> np.ndarray:
+    # heavy runtime: audio metric, imported when computed
     import librosa
 
     mel = librosa.feature.melspectrogram(
@@ -480,13 +486,11 @@ def write_audio(report_dir, item_id: str, outputs: dict, valid) -> dict[str, str
     """Reference and backend WAVs (valid region) of audio outputs, `{name: (reference, backend)}`,
     so that a person can hear what the metrics summarize: <report_dir>/audio/<item_id>/{reference,
     backend}.wav (a name prefix when there are several). Returns role -> path relative to report_dir."""
-    from pathlib import Path as _Path
-
     paths = {}
     for name, pair in outputs.items():
         prefix = "" if len(outputs) == 1 else f"{name}-"
         for role, tensor in zip(("reference", "backend"), pair):
-            rel = _Path("audio") / item_id / f"{prefix}{role}.wav"
-            write_wav(_Path(report_dir) / rel, valid(name, tensor).detach().cpu().numpy())
+            rel = Path("audio") / item_id / f"{prefix}{role}.wav"
+            write_wav(Path(report_dir) / rel, valid(name, tensor).detach().cpu().numpy())
             paths[prefix + role] = rel.as_posix()
     return paths

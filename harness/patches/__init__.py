@@ -10,13 +10,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import remove_weight_norm
+
+from .length_aware_lstm import LengthAwareLSTM
+from .length_aware_norm import apply_length_aware_norm
+from .stft_islands import apply_stft_islands
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,6 @@ BASE_SOURCES = ("steps.py", "patches/__init__.py")
 @functools.lru_cache(maxsize=64)
 def graph_code_digest(names: tuple[str, ...]) -> str:
     """Digest of BASE_SOURCES and the sources of the patches `names`."""
-    import hashlib
-    from pathlib import Path
-
     here = Path(__file__).resolve().parent.parent  # harness/
     files = dict.fromkeys((*BASE_SOURCES, *(f for n in canonical(names) for f in PATCHES[n].sources)))
     h = hashlib.sha256()
@@ -186,8 +190,6 @@ def _dropout_identity(model: nn.Module) -> None:
 @patch("fold_weight_norm", True, "weight_norm computes weights at run time and keeps convolutions "
        "out of the XNNPACK delegate (70 of 76 in the decoder)")
 def _fold_weight_norm(model: nn.Module) -> None:
-    from torch.nn.utils import remove_weight_norm
-
     for m in model.modules():
         if hasattr(m, "weight_g") and hasattr(m, "weight_v"):
             remove_weight_norm(m)
@@ -222,6 +224,7 @@ def _text_encoder_forward(self, x, input_lengths, m):
 
 
 def _duration_encoder_forward(self, x, style, text_lengths, m):
+    # heavy: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.modules import AdaLayerNorm
 
     x = x.permute(2, 0, 1)
@@ -273,8 +276,6 @@ def swap_lstms(model: nn.Module, impl: str | None = None) -> None:
     """Every nn.LSTM becomes a LengthAwareLSTM (the module itself is swapped: same Parameter objects,
     same state-dict keys, so export sees the weights as the model's parameters); `impl` given, every
     LengthAwareLSTM, swapped now or before, uses it."""
-    from .length_aware_lstm import LengthAwareLSTM
-
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.LSTM:
@@ -288,6 +289,7 @@ def swap_lstms(model: nn.Module, impl: str | None = None) -> None:
 @patch("custom_stft", False, "torch.stft/istft are complex and outside the Core ATen set; kokoro's "
        "CustomSTFT does them with convolutions (replicate padding instead of reflect)", affects=VOCODER_STEPS)
 def _custom_stft(model: nn.Module) -> None:
+    # heavy: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.custom_stft import CustomSTFT
 
     gen = model.decoder.generator
@@ -309,15 +311,13 @@ def to_float64(model: nn.Module) -> nn.Module:
     return model
 
 
-from . import frontends  # noqa: E402,F401 - registers the backends' frontend-gap patches after these
+from . import frontends  # noqa: E402 - registers the backends' frontend-gap patches after these
 
 
 @patch("length_aware_norm", True, "a static synthesizer that keeps the exact-length semantics: AdaIN's "
        "InstanceNorm over each sequence's valid frames, zeros past the length wherever a conv reads, "
        "the vocoder's STFT edges as on the exact length", affects=("f0n", "synthesizer"), uses=("length_aware_norm",))
 def _length_aware_norm(model: nn.Module) -> None:
-    from .length_aware_norm import apply_length_aware_norm
-
     apply_length_aware_norm(model)
 
 
@@ -326,13 +326,11 @@ def _length_aware_norm(model: nn.Module) -> None:
        "semantics the other patches chose (registered last: with unrolled_lstm also applied, scan wins)",
        affects=LSTM_STEPS, uses=("length_aware_lstm", "frontends"), same_function=True)
 def _scan_lstm(model: nn.Module) -> None:
-    from .frontends import run_full_length
-
     swap_lstms(model, impl="scan")
     current = getattr(model, "_parity_run_lstm", None)
     if current is run_padded:  # no_packing stays padded (every step read)
-        set_lstm_strategy(model, run_full_length)
-    elif current not in (run_length_aware, run_full_length):  # packing becomes length-aware
+        set_lstm_strategy(model, frontends.run_full_length)
+    elif current not in (run_length_aware, frontends.run_full_length):  # packing becomes length-aware
         set_lstm_strategy(model, run_length_aware)
 
 
@@ -340,6 +338,4 @@ def _scan_lstm(model: nn.Module) -> None:
        "a float16 port can keep them in float32 (kokoro-parity precision)", affects=VOCODER_STEPS,
        uses=("stft_islands",), same_function=True)
 def _stft_islands(model: nn.Module) -> None:
-    from .stft_islands import apply_stft_islands
-
     apply_stft_islands(model)

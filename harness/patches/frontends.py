@@ -11,9 +11,9 @@ import types
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from . import LSTM_STEPS, patch
-
+from . import LSTM_STEPS, patch, run_length_aware, run_padded, set_lstm_strategy, swap_lstms
 
 # ---- CustomSTFT phase correction: boolean-mask index_put -> torch.where ----------------------
 # kokoro.custom_stft.CustomSTFT.transform writes `phase[mask] = pi`, an aten.index_put with a
@@ -23,8 +23,6 @@ from . import LSTM_STEPS, patch
 
 def _custom_stft_transform(self, waveform: torch.Tensor):
     """CustomSTFT.transform with the phase correction as a select instead of a masked store."""
-    import torch.nn.functional as F
-
     if self.center:
         pad_len = self.n_fft // 2
         waveform = F.pad(waveform, (pad_len, pad_len), mode=self.pad_mode)
@@ -42,6 +40,7 @@ def _custom_stft_transform(self, waveform: torch.Tensor):
        "Relax rejects (index tensor dtype bool), and its `&` an op coremltools cannot lower; "
        "torch.where and logical_and compute the same", same_function=True)
 def _stft_phase_where(model: nn.Module) -> None:
+    # heavy: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.custom_stft import CustomSTFT
 
     stft = model.decoder.generator.stft
@@ -63,6 +62,7 @@ def _adain_resblk_forward(self, x, s):
 @patch("rsqrt_float_const", True, "the decoder's `rsqrt(torch.tensor(2))` is an int constant that "
        "coremltools does not promote (rsqrt of int32 fails); rsqrt(tensor(2.0)) is the same value", same_function=True)
 def _rsqrt_float_const(model: nn.Module) -> None:
+    # heavy: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.istftnet import AdainResBlk1d
 
     for m in model.modules():
@@ -86,8 +86,6 @@ def run_full_length(lstm: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> 
        "whatever packing semantics the other patches chose", affects=LSTM_STEPS,
        uses=("length_aware_lstm",), same_function=True)
 def _unrolled_lstm(model: nn.Module) -> None:
-    from . import run_length_aware, run_padded, set_lstm_strategy, swap_lstms
-
     swap_lstms(model, impl="unrolled")
     current = getattr(model, "_parity_run_lstm", None)
     if current is not run_length_aware:  # padded (no_packing) stays padded; packing becomes length-aware

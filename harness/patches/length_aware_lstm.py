@@ -60,6 +60,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from torch._higher_order_ops.scan import scan
+
 IMPLS = ("aten", "unrolled", "scan")
 
 import torch
@@ -273,8 +275,6 @@ class LengthAwareLSTM(nn.Module):
         """The same cell as the body of torch's `scan` over T: one copy in the graph for any T.
         Scanned inputs: the step's input gates [D, B, 4H] and its masks [1, B, 1]; carry (h, c);
         W_hh^T is a closure, which export lifts into the op's additional inputs."""
-        from torch._higher_order_ops.scan import scan
-
         B, T, _ = x.shape
         H = self.hidden_size
         h, c, gx, valid, invalid, idx, w_hh_t = self._input_gates(x, lengths, hx)

@@ -31,6 +31,7 @@ RECENT_S = 3600.0  # an entry used this recently may be in use by another proces
 def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV)
     if not root:
+        # target side: a run target has only torch, numpy and its runtime
         from platformdirs import user_cache_dir
 
         root = user_cache_dir("kokoro-parity")
@@ -41,6 +42,7 @@ def cache_dir() -> Path:
 
 @contextlib.contextmanager
 def lock(path: Path) -> Iterator[None]:
+    # target side: a run target has only torch, numpy and its runtime
     from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +133,7 @@ def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
     Also removes leftovers of builds that died (temporary `.KEY.*` directories) once they are older
     than `recent_s`. An entry somebody is building or removing (its lock is held) is skipped.
     """
+    # target side: a run target has only torch, numpy and its runtime
     from filelock import FileLock, Timeout
 
     limit = max_bytes() if limit_bytes is None else limit_bytes

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -49,8 +50,6 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 
 def _json_default(o: Any) -> Any:
-    import numpy as np
-
     if isinstance(o, np.generic):
         return o.item()
     if isinstance(o, np.ndarray):
@@ -76,6 +75,7 @@ def content_key(*parts: Any) -> str:
 
 def tensors_digest(values: dict) -> str:
     """sha256 of named tensors' names, dtypes, shapes and bytes: the inputs' part of a cache key."""
+    # torch-free: the warm worker and harness.backends.onnx_child import this module
     import torch
 
     h = hashlib.sha256()
@@ -94,6 +94,7 @@ def canonical(t):
     strides and then rejects an op whose inputs' dim orders differ ("3 input tensors have different
     dim orders", XNNPACK: "Propagating input shapes failed"). Every tensor a job receives is made
     canonical here."""
+    # torch-free: the warm worker and harness.backends.onnx_child import this module
     import torch
 
     return torch.empty(t.shape, dtype=t.dtype).copy_(t) if t.stride() != _row_major(t.shape) else t
@@ -110,6 +111,7 @@ def _row_major(shape) -> tuple[int, ...]:
 def save_tensors(path: str | os.PathLike, tensors) -> Path:
     """Save a list (or the values of a dict) of tensors atomically, each with canonical strides:
     the inputs file of an export, compile or run job."""
+    # torch-free: the warm worker and harness.backends.onnx_child import this module
     import torch
 
     values = list(tensors.values()) if isinstance(tensors, dict) else list(tensors)
@@ -119,16 +121,12 @@ def save_tensors(path: str | os.PathLike, tensors) -> Path:
 def save_arrays(path: str | os.PathLike, arrays) -> Path:
     """Save a list of numpy arrays atomically as an uncompressed .npz (`a0`, `a1`, ... in order):
     the inputs file of a job that must not import torch (harness.backends.onnx_child)."""
-    import numpy as np
-
     return atomic_write(path, lambda f: np.savez(f, **{f"a{i}": np.ascontiguousarray(a)
                                                        for i, a in enumerate(arrays)}))
 
 
 def load_arrays(path: str | os.PathLike) -> list:
     """The arrays save_arrays wrote, in order."""
-    import numpy as np
-
     with np.load(path, allow_pickle=False) as z:
         return [z[f"a{i}"] for i in range(len(z.files))]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,7 +20,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import admission, cache
 from .files import atomic_write_json
+
+MEMORY_SHARE = 0.8
+
+
+@dataclass
+class Limits:
+    """Each phase of an item, by default, within 15 minutes (one item's limit on a 2-core machine); a
+    cost law skips up front what it estimates past a limit. Here, below the runner, so that the
+    bisection's probes (harness.bisect) take the same limits without importing the runner."""
+
+    export_s: float = 900
+    compile_s: float = 900
+    run_s: float = 900
+    compile_gb: float | None = None  # None: MEMORY_SHARE of this machine's memory (--memory-limit)
+
+    def memory_gb(self) -> float:
+        """The memory a compile may be estimated to need (harness.backends.cost) before it is skipped:
+        by default MEMORY_SHARE of the machine's, the rest being the OS's, the pytest process's
+        (weights, references: 2-3 GB) and the run's."""
+        if self.compile_gb is not None:
+            return self.compile_gb
+        return MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
+    @classmethod
+    def parse(cls, specs: list[str], memory_gb: float | None = None) -> "Limits":
+        """From `PHASE=SECONDS` strings (`--time-limit compile=600`) and `--memory-limit GB`."""
+        limits = cls(compile_gb=memory_gb)
+        for spec in specs:
+            phase, _, seconds = spec.partition("=")
+            if phase not in ("export", "compile", "run"):
+                raise ValueError(f"--time-limit {spec!r}: the phase is export, compile or run")
+            try:
+                setattr(limits, f"{phase}_s", float(seconds))
+            except ValueError:
+                raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
+        return limits
 
 
 @dataclass
@@ -123,8 +161,6 @@ def _vm_hwm_mb(pid: int | str = "self") -> float:
 def own_peak_rss_mb() -> float:
     """This process's peak RSS since exec, and that of the processes it started and reaped (whose
     figures can only exceed ours by their own allocations: they forked from us)."""
-    import resource
-
     return max(_vm_hwm_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
 
 
@@ -150,8 +186,6 @@ def cached_job(kind: str, key: str, function: str, timeout: float, make_kwargs, 
     the job fails. Returns (entry, None) on a hit, else (entry, the job's result). With
     `admission_key`, the job first waits for the memory its last run peaked at (admission.py).
     `counts` (a Counter) gets `<kind>_hits` / `<kind>_misses`."""
-    from . import admission, cache
-
     entry = cache.entry(kind, key)
     if cache.lookup(kind, key):
         if counts is not None:

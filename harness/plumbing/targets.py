@@ -28,6 +28,7 @@ command line, record or log: only paths to key files go to `ssh -i`.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
 import io
 import json
 import os
@@ -41,11 +42,14 @@ import tarfile
 import tempfile
 import threading
 import time
+import types
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
+from . import cache, jobs, worker
+from .files import atomic_write_bytes, atomic_write_json, content_key
 from .jobs import JobResult, first_error_line, run_job
 
 TARGETS_ENV = "KOKORO_PARITY_TARGETS"  # path of the targets file
@@ -76,8 +80,7 @@ class TransportError(Exception):
 
 def _models():
     """pydantic models, built on first use (the remote side of a job never imports pydantic)."""
-    from typing import Annotated, Literal, Union
-
+    # target side: a run target has only torch, numpy and its runtime
     from pydantic import BaseModel, ConfigDict, Field
 
     class LocalSpec(BaseModel):
@@ -119,6 +122,7 @@ def targets_file(explicit: str | os.PathLike | None = None) -> Path | None:
         if not path.is_file():
             raise TargetError(f"{path}: targets file not found")
         return path
+    # target side: a run target has only torch, numpy and its runtime
     from platformdirs import user_config_dir
 
     for path in (Path.cwd() / FILE_NAME, Path(user_config_dir("kokoro-parity")) / FILE_NAME):
@@ -129,6 +133,7 @@ def targets_file(explicit: str | os.PathLike | None = None) -> Path | None:
 
 def load_specs(path: str | os.PathLike | None = None) -> dict[str, Any]:
     """name -> validated spec; `local` is always there. Errors name the file and the field."""
+    # target side: a run target has only torch, numpy and its runtime
     import yaml
     from pydantic import ValidationError
 
@@ -167,8 +172,6 @@ def get_target(name: str, path: str | os.PathLike | None = None) -> "Target":
 def probe() -> dict[str, Any]:
     """The machine and its Python (the local description; on a target, part of the backends'
     `probe_job`, which adds whether each backend can run there)."""
-    import importlib.metadata as md
-
     out: dict[str, Any] = {"os": platform.system(), "os_release": platform.release(), "machine": platform.machine(),
                            "python": platform.python_version(), "platform": platform.platform()}
     if platform.system() == "Darwin":
@@ -216,19 +219,13 @@ class LocalTarget(Target):
 
     def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False, preload=None) -> JobResult:
         if warm:
-            from .worker import run_warm_job
-
-            return run_warm_job(function, kwargs, workdir, timeout)
+            return worker.run_warm_job(function, kwargs, workdir, timeout)
         if preload:
-            from .worker import run_spare_job
-
-            return run_spare_job(preload, function, kwargs, workdir, timeout)
+            return worker.run_spare_job(preload, function, kwargs, workdir, timeout)
         return run_job(function, kwargs, workdir, timeout)
 
     def prestart(self, preload: dict) -> None:
-        from .worker import prestart
-
-        prestart(preload)
+        worker.prestart(preload)
 
     def runnable(self, backend) -> tuple[bool, str]:
         return backend.runnable()
@@ -269,8 +266,6 @@ def harness_files() -> list[tuple[Path, str]]:
 
 
 def harness_key() -> str:
-    from .files import content_key
-
     h = hashlib.sha256()
     for p, name in harness_files():
         h.update(name.encode() + b"\0" + p.read_bytes())
@@ -439,8 +434,6 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
         for k, kind in files.items():
             local = Path(kwargs[k])
             if kind in ("artifact", "artifact_entry"):
-                from .files import content_key
-
                 shipped = local if kind == "artifact" else local.parent
                 key = "a-" + content_key("artifact", content_digest(shipped))
                 entries[key] = (shipped, local.name if kind == "artifact" else "")
@@ -565,7 +558,6 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
         d = json.loads(got.pop("jobresult.json"))
         if d.get("missing"):
             return JobResult("error", error="missing cache entries", extra={"missing": d["missing"]})
-        from .files import atomic_write_bytes
 
         for name, data in got.items():
             top, _, rest = name.partition("/")
@@ -591,9 +583,6 @@ def compile_on_target(target: Target, backend, key: str, make_kwargs, timeout: f
     """`jobs.cached_job` for a compile that happens on `target` (a backend's compile_where =
     "target"): the program is shipped, the out dir comes back into a local cache entry keyed by the
     artifact key, the target's name and its runtime's version. Returns (entry, None) on a hit."""
-    from . import cache
-    from .files import atomic_write_json, content_key
-
     runtime = target.describe().get("runtimes", {}).get(backend.name, "")
     key = content_key("artifact-on-target", key, target.name, runtime)
     entry = cache.entry("artifacts", key)
@@ -779,10 +768,6 @@ def _answer(run: Path, result: dict, names=()) -> None:
 def _record_children_and_watch_host(run: Path) -> None:
     """The job's child process records its pid (its own process group, a new session); a thread
     reads stdin to its end (the host went away or gave up) and then kills that group."""
-    import types
-
-    from . import jobs
-
     class Recorded(subprocess.Popen):
         last = None
 

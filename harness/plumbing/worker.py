@@ -24,6 +24,7 @@ isolation and its memory figure exactly a fresh process's.
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import select
@@ -213,8 +214,6 @@ def _serve(preload: dict | None = None, max_jobs: int = 0) -> None:
 
 def _preload(preload: dict) -> None:
     """Call the preload function; a failure is left for the job itself to meet and report."""
-    import importlib
-
     try:
         module, _, name = preload["function"].partition(":")
         getattr(importlib.import_module(module), name)(**preload.get("kwargs", {}))

@@ -6,9 +6,13 @@ this module; it imports no backend.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
+import torch.fx
+
+from ..plumbing.files import content_key
 from .float16 import under
 
 # Semantics-preserving patches that turn code a module's forward runs inline into submodules, so that a
@@ -47,8 +51,6 @@ def node_module_path(node) -> str:
 def read_keep_list(path: str | Path | None = None) -> list[str]:
     """The module paths of a keep-list JSON ($KOKORO_PARITY_KEEP_FP32 when `path` is None); [] when
     neither is set. A bad file is a ValueError naming it."""
-    import os
-
     path = path or os.environ.get(KEEP_ENV)
     if not path:
         return []
@@ -64,8 +66,6 @@ def read_keep_list(path: str | Path | None = None) -> list[str]:
 
 def keep_tag(keep: list[str]) -> str:
     """Part of a backend's `version()` (so of its artifact key) when it keeps modules in float32."""
-    from ..plumbing.files import content_key
-
     return f";keep-fp32={content_key('keep', *keep)[:12]}" if keep else ""
 
 
@@ -111,6 +111,7 @@ def op_selector_for(exported_program, keep: list[str]):
     ops converted from nodes inside the `keep` modules. It tags every node with a debug handle
     (coremltools carries `debug_handle` into the op's EXIR_DEBUG_HANDLE scope), so convert *this*
     program object. Returns (op_selector, number of nodes kept)."""
+    # optional runtime: coreml extra
     from coremltools.converters.mil.mil.scope import ScopeSource
 
     island = island_nodes(exported_program.graph, keep)
@@ -143,8 +144,6 @@ def keep_float32_graph(gm16, gm32, keep: list[str]):
     does): an island reads them as they are, float16 nodes through a cast. A kept module with no
     node in the graph is skipped (an e2e keep-list names modules of both its programs), except one
     that a patch makes: a ValueError, the program must be exported with the patch."""
-    import torch.fx
-
     island = island_nodes(gm16.graph, keep)
     absent = not_in_program(gm16.graph, keep)
     made = sorted(k for k in absent if any(under(k, mods) for mods in ISLAND_MODULES.values()))

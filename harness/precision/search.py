@@ -8,6 +8,7 @@ Core ML `op_selector`. `kokoro-parity precision` is its face.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,9 +16,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 
+from ..backends.fp16 import Fp16Backend
+from ..cases import case_dirs, configured_dirs, load_cases
+from ..metrics.audio import audio_metrics
+from ..metrics.tensor import error_metrics
+from ..patches import affecting, apply_patches, to_float64
+from ..plumbing.files import atomic_write_json, atomic_write_text
 from ..plumbing.hooks import registered
+from ..reference import (NEUTRAL_PATCHES, REFERENCE_PATCHES, as_outputs, load_traces, references_for,
+                         synthesizer_reference)
+from ..steps import get_step
+from ..verdict import shippable
 from .float16 import Mixed, _kmodel_path, _strip, under
 from .islands import ISLAND_PATCHES, KEEP_SCHEMA, island_nodes, node_module_path, op_selector_for, patches_for
 
@@ -150,8 +163,6 @@ def float16_d(step, module: torch.nn.Module, inputs: list, keep: Iterable[str], 
     when every rounded duration equals the reference's (`reference_duration`, before rounding),
     else None. How the search feeds an e2e synthesizer and how the e2e item's float16 floor
     (harness.e2e.float16_floor_audio) chains its two stages."""
-    from ..reference import as_outputs
-
     outs = as_outputs(step, Mixed(module, sorted(keep), emulate=emulate)(*inputs))
     rr = lambda x: torch.round(x.double()).clamp(min=1)  # noqa: E731 - kokoro's rounding of durations
     if bool(torch.isfinite(outs["duration"]).all()) and torch.equal(rr(outs["duration"]), rr(reference_duration)):
@@ -173,12 +184,6 @@ def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynam
     """The search's targets: one per case (per case and stage for `e2e`), with the patches of the
     `fp16` backend's programs and ISLAND_PATCHES (bit-exact; they make code that a module runs as
     methods keepable)."""
-    from ..backends.fp16 import Fp16Backend
-    from ..cases import case_dirs, configured_dirs, load_cases
-    from ..patches import affecting, apply_patches
-    from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, load_traces, references_for
-    from ..steps import get_step
-
     if step == "e2e" and mode != "dynamic":
         raise ValueError("--step e2e: dynamic mode only (the e2e item's static buckets pad the synthesizer, a "
                          "rewrite of its own; search the static decoder with --step decoder --mode static)")
@@ -211,9 +216,6 @@ def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynam
 def _e2e_fp64(model, case, traces, step, km, inputs, variant) -> dict[str, torch.Tensor]:
     """float64 outputs of an e2e stage: the synthesizer's is the e2e item's own (cached), the
     duration stage's is one cheap float64 pass here."""
-    from ..patches import to_float64
-    from ..reference import as_outputs, synthesizer_reference
-
     if step.name == "synthesizer":
         return {"audio": synthesizer_reference(model, case, traces, tuple(variant))["float64"]}
     with torch.no_grad():
@@ -237,11 +239,6 @@ AUDIO_KEYS = ("pesq", "mcd_db", "rms_ratio_db")
 
 def evaluate(target: Target, keep: Iterable[str], tol, emulate: bool = True) -> Evaluation:
     """Run the target's step in float16 with `keep` in float32 and judge it by the shippable bar."""
-    from ..metrics.audio import audio_metrics
-    from ..metrics.tensor import error_metrics
-    from ..reference import as_outputs
-    from ..verdict import shippable
-
     start = time.perf_counter()
     keep = sorted(keep)
     inputs, fed = fed_inputs(target, keep, emulate)
@@ -568,9 +565,6 @@ def share_of(targets: Target | list[Target], keep: list[str]) -> dict[str, Any]:
     """The kept modules' share of the steps' parameters (those of the modules that ran: a step module
     holds the whole KModel) and of their FLOPs (torch.utils.flop_counter: matmuls and convolutions),
     on each step's smallest inputs in float32, summed over the steps."""
-    from torch.nn.modules.module import register_module_forward_hook
-    from torch.utils.flop_counter import FlopCounterMode
-
     targets = [targets] if isinstance(targets, Target) else targets
     params: dict[str, int] = {}  # KModel path of a parameter -> elements
     total = kept = 0
@@ -625,10 +619,6 @@ KEEP_FP32 = {keep!r}
 def write_keep_list(result: SearchResult, out_dir: Path) -> dict[str, Path]:
     """The keep-list JSON (for $KOKORO_PARITY_KEEP_FP32: the fp16 and coreml-fp16 backends) and a
     standalone Core ML op_selector file."""
-    import inspect
-
-    from ..plumbing.files import atomic_write_json, atomic_write_text
-
     out_dir = Path(out_dir)
     data = {"schema": KEEP_SCHEMA, "step": result.step, "cases": result.cases, "keep_fp32": result.keep,
             "with_patch": patches_for(result.keep),  # the patches the backend's program needs for these modules
