@@ -232,11 +232,11 @@ def test_make_nightly_twice_gives_two_entries_and_a_dashboard_with_both(tmp_path
     import sys
 
     from harness.cases import write_case
-    from tests.unit.conftest import child_pytest_env
+    from tests.unit.conftest import child_pytest_env, shared_references
 
     root = Path(__file__).resolve().parents[2]
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    env = child_pytest_env(KOKORO_PARITY_CASES=str(tmp_path / "cases"), KOKORO_PARITY_CACHE=str(tmp_path / "cache"))
+    env = child_pytest_env(KOKORO_PARITY_CASES=str(tmp_path / "cases"), KOKORO_PARITY_CACHE=str(shared_references(tmp_path / "cache")))
     cmd = [sys.executable, "-m", "harness.cli", "nightly", "--weights", "random:0", "--backend", "eager",
            "--step", "bert_encoder", "--case", "tiny", "--mode", "dynamic", "--report-dir", str(tmp_path / "reports"),
            "--dashboard", str(tmp_path / "dashboard"), "--no-upstream"]  # the bundles: tests/unit/test_upstream.py

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import child_pytest_env
+from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
@@ -61,7 +61,7 @@ def test_xnnpack_decoder_both_modes_and_golden_on_the_random_model(tmp_path):
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     args = ["--weights=random:0", f"--cases-dir={tmp_path / 'cases'}", f"--golden-dir={tmp_path / 'golden'}",
             "--backend=xnnpack", "--backend=eager", "--case=tiny", "-k", "decoder or golden"]
-    env = {"KOKORO_PARITY_CACHE": str(tmp_path / "cache")}
+    env = {"KOKORO_PARITY_CACHE": str(shared_references(tmp_path / "cache"))}
     first = run_pytest([*args, "--update-golden"], tmp_path / "reports", **env)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "kokoro-parity summary" in first.stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import child_pytest_env
+from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ["--weights=random:0", "--backend=eager", "--case=tiny", "-k", "bert_encoder or (bert and not golden)",
@@ -36,22 +36,12 @@ def exports(stdout):
     return int(re.search(r"work: exports (\d+)", stdout).group(1))
 
 
-def shared_cache(path: Path, traces: Path) -> Path:
-    """A fresh program/artifact cache that shares the first run's weights and traces (content-
-    addressed, so sharing is safe): what is measured here is exporting, not the references."""
-    path.mkdir()
-    for kind in ("weights", "traces"):
-        (traces / kind).mkdir(parents=True, exist_ok=True)
-        (path / kind).symlink_to(traces / kind)
-    return path
-
-
 @pytest.mark.slow
 def test_shards_and_workers_match_the_plain_run(tmp_path):
     from harness.cases import write_case
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    cache = shared_cache(tmp_path / "cache", tmp_path / "references")
+    cache = shared_references(tmp_path / "cache")  # the references: the test run's, shared
     plain, out = pytest_run(tmp_path, "plain", cache)
     assert len(verdicts(plain)) == 4 and exports(out) == 4
 
@@ -63,7 +53,7 @@ def test_shards_and_workers_match_the_plain_run(tmp_path):
                    cwd=ROOT, check=True, capture_output=True)
     assert verdicts(merged) == verdicts(plain)
 
-    fresh = shared_cache(tmp_path / "cache2", tmp_path / "references")  # no programs: the workers export everything
+    fresh = shared_references(tmp_path / "cache2")  # no programs: the workers export everything
     parallel, out = pytest_run(tmp_path, "parallel", fresh, "-n", "2")
     assert verdicts(parallel) == verdicts(plain)
     assert "kokoro-parity summary" in out and exports(out) == 4  # each program exported once
