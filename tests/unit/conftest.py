@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 # MKL's AVX-512 FFT (torch.stft / istft on the CPU) rounds differently from its AVX2 one, and on
 # Kokoro's padded STFT frames that difference is not small: the synthesizer on a bucket is 2.9 %
@@ -14,6 +17,53 @@ os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")  # torch's own kernels too 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# One directory per test run for the reference kinds of the cache: computing the tiny case's
+# references takes minutes on a busy 2-core machine, and a dozen modules used to each compute them
+# into their own cache. xdist's workers inherit it from the controller (which made it and removes it).
+REFERENCES_ENV = "KOKORO_PARITY_TEST_REFERENCES"
+REFERENCE_KINDS = ("weights", "traces", "variants", "synthesizer")
+_MADE_HERE = []
+
+
+def pytest_configure(config):
+    if not os.environ.get(REFERENCES_ENV):
+        os.environ[REFERENCES_ENV] = tempfile.mkdtemp(prefix="kokoro-parity-test-references-")
+        _MADE_HERE.append(os.environ[REFERENCES_ENV])
+
+
+def pytest_unconfigure(config):
+    while _MADE_HERE:
+        shutil.rmtree(_MADE_HERE.pop(), ignore_errors=True)
+        os.environ.pop(REFERENCES_ENV, None)
+
+
+def shared_references(cache) -> Path:
+    """A fresh cache directory whose references (rebuilt weights, traces, patched and padded
+    references: content-addressed, built under the cache's file locks) are the test run's shared
+    ones, so that its programs, artifacts and runs are its own while no reference is computed twice."""
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    shared = os.environ.get(REFERENCES_ENV)
+    for kind in REFERENCE_KINDS if shared else ():
+        (Path(shared) / kind).mkdir(parents=True, exist_ok=True)
+        (cache / kind).symlink_to(Path(shared) / kind, target_is_directory=True)
+    return cache
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most `slow` tests first, each module kept whole (its module-scoped
+    sessions are built once): under `--dist worksteal` the long tests start at once and the idle
+    worker steals the short ones from the queue's end, so neither core waits out the last minutes."""
+    if not items or not all(str(it.path).startswith(HERE + os.sep) for it in items):
+        return  # beside other directories' items (the parity items sort themselves): leave the order
+    slow, first = {}, {}
+    for i, it in enumerate(items):
+        first.setdefault(it.path, i)
+        slow[it.path] = slow.get(it.path, 0) + (it.get_closest_marker("slow") is not None)
+    items.sort(key=lambda it: (-slow[it.path], first[it.path]))
 
 
 @pytest.fixture(scope="session")
@@ -48,14 +98,15 @@ def child_pytest_env(**extra: str) -> dict:
 @contextlib.contextmanager
 def tiny_session_at(root, **limits):
     """A Session on the seeded random model and the short `tiny` case (speed 4: few frames), with
-    its own case directory and cache under `root`: what the end-to-end tests of several files run."""
+    its own case directory and cache under `root` (the references shared): what the end-to-end
+    tests of several files run."""
     from harness.cases import load_cases, write_case
     from harness.plumbing.cache import CACHE_ENV
     from harness.runner import Limits, Session
 
     write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(root / "cache"))
+        mp.setenv(CACHE_ENV, str(shared_references(root / "cache")))
         s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(**limits))
         s._cases = {c.id: c for c in load_cases(root / "cases")}
         yield s

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.unit.conftest import child_pytest_env
+from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,7 +128,7 @@ def test_a_defective_step_onnx_is_localized_and_a_clean_one_passes(tmp_path):
     from harness.plumbing.cache import CACHE_ENV
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(tmp_path / "cache"))
+        mp.setenv(CACHE_ENV, str(shared_references(tmp_path / "cache")))
         session = _tiny_session(tmp_path)
         bad = _export(session, "f0n", tmp_path / "bad.onnx", "predictor.F0.1")
         clean = _export(session, "f0n", tmp_path / "clean.onnx")
@@ -174,7 +174,7 @@ def test_a_decoder_onnx_with_its_own_stft_is_localized_to_the_scaled_conv(tmp_pa
     from harness.port.onnx_steps import localize_artifact_item
     from harness.verdict import Verdict
 
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(shared_references(tmp_path / "cache")))
     session = _tiny_session(tmp_path, ["custom_stft"])
     path = _export(session, "decoder", tmp_path / "decoder.onnx", "decoder.generator.conv_post", 1.5,
                    patches=["custom_stft"])

@@ -20,6 +20,7 @@ from harness.metrics.audio import write_wav
 from harness.plumbing.files import atomic_write_json
 from harness.record import Record, real_time
 from harness.verdict import Verdict
+from tests.unit.conftest import shared_references
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -189,7 +190,7 @@ def test_merged_shards_of_real_runs_give_a_complete_dashboard(tmp_path, monkeypa
     from .faulty_backend import FAULT_ENV
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache")))
     monkeypatch.setenv("KOKORO_PARITY_EXTRA_BACKENDS", "faulty-eager=tests.unit.faulty_backend:FaultyEager")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv(FAULT_ENV, "op=aten.linear.default,kind=scale,factor=1.5")

@@ -1,9 +1,11 @@
-"""The plugin end to end on the default model: `pytest --backend=xnnpack -k decoder` really exports
-Kokoro's decoder, lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics in both modes;
-a second run does no export and no compile (the cache)."""
+"""The plugin end to end: `pytest --backend=xnnpack -k decoder` really exports Kokoro's decoder,
+lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics in both modes; a second run does no
+export and no compile (the cache). In CI on the seeded random model and the short `tiny` case (the
+same decoder graph and lowering); on the default model and en_short in `make heavy-tests`."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,25 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import child_pytest_env
+from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
+HEAVY = pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
+                           reason="the default model's decoder lowered twice (about 12 min on 2 cores): "
+                                  "`make heavy-tests`; CI runs the random-weight tiny-case twin")
 
 
-def run_pytest(args, report_dir):
+def run_pytest(args, report_dir, **env):
     cmd = [sys.executable, "-m", "pytest", "tests/parity", "-p", "no:logging", f"--report-dir={report_dir}", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env())
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env(**env))
 
 
-@pytest.mark.slow
-def test_xnnpack_decoder_both_modes_and_golden(tmp_path):
-    args = ["--backend=xnnpack", "--backend=eager", "--case=en_short", "-k", "decoder or golden"]
-    first = run_pytest(args, tmp_path)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
-    assert "kokoro-parity summary" in first.stdout
-    records = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "records").glob("*.json")}
+def check_decoder_records(report_dir, case):
+    """Both modes of the XNNPACK decoder pass with every metric, a real artifact, the delegate
+    taking every convolution, and the port's patches and drifts recorded."""
+    records = {p.stem: json.loads(p.read_text()) for p in (report_dir / "records").glob("*.json")}
     for mode in ("dynamic", "static"):
-        rec = records[f"en_short-decoder-xnnpack-{mode}"]
+        rec = records[f"{case}-decoder-xnnpack-{mode}"]
         assert rec["verdict"] == "pass", rec["reason"]
         m = rec["metrics"]["audio"]
         for key in ("nan_rate", "inf_rate", "max_abs", "mean_abs", "rel_l2", "cosine", "snr_db", "floor_ratio"):
@@ -40,12 +42,57 @@ def test_xnnpack_decoder_both_modes_and_golden(tmp_path):
         outside = rec["audit"]["ops_outside_delegate"]
         assert rec["audit"]["delegate_coverage"] > 0.4 and not [op for op in outside if "conv" in op], outside
         assert "custom_stft" in rec["semantic_patches"] and rec["patch_drift"]["audio"]["rel_l2"] > 0
-    assert records["en_short-decoder-xnnpack-static"]["rewrite_drift"]["audio"]["rel_l2"] > 0
+    assert records[f"{case}-decoder-xnnpack-static"]["rewrite_drift"]["audio"]["rel_l2"] > 0
+    assert records[f"{case}-decoder-eager-dynamic"]["verdict"] == "pass"
 
-    second = run_pytest(args, tmp_path)
+
+def assert_no_work(second):
     assert second.returncode == 0, second.stdout[-3000:]
     work = re.search(r"work: exports (\d+), compiles (\d+)", second.stdout)
     assert work and work.groups() == ("0", "0"), second.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_xnnpack_decoder_both_modes_and_golden_on_the_random_model(tmp_path):
+    """The tiny case of the seeded random model: its golden data written by `--update-golden` into
+    the user's store, then read back by the second run, which exports and compiles nothing."""
+    from harness.cases import write_case
+
+    write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    args = ["--weights=random:0", f"--cases-dir={tmp_path / 'cases'}", f"--golden-dir={tmp_path / 'golden'}",
+            "--backend=xnnpack", "--backend=eager", "--case=tiny", "-k", "decoder or golden"]
+    env = {"KOKORO_PARITY_CACHE": str(shared_references(tmp_path / "cache"))}
+    first = run_pytest([*args, "--update-golden"], tmp_path / "reports", **env)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    assert "kokoro-parity summary" in first.stdout
+    check_decoder_records(tmp_path / "reports", "tiny")
+    assert sorted(p.parent.name for p in (tmp_path / "golden").rglob("manifest.json")) == ["dynamic", "static"]
+
+    second = run_pytest([*args, "-v"], tmp_path / "reports", **env)
+    assert_no_work(second)
+    passed = re.findall(r"test_reference\[tiny-(dynamic|static)-golden\] PASSED", second.stdout)
+    assert sorted(passed) == ["dynamic", "static"], second.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_the_shipped_golden_data_match_the_default_models_references(tmp_path):
+    """The default model's fresh references of en_short, both modes, against the shipped golden
+    store (no export, no compile: the check that the default model's numbers have not moved)."""
+    out = run_pytest(["--case=en_short", "-k", "golden", "-v"], tmp_path)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = re.findall(r"test_reference\[en_short-(dynamic|static)-golden\] PASSED", out.stdout)
+    assert sorted(passed) == ["dynamic", "static"], out.stdout[-3000:]
+
+
+@pytest.mark.slow
+@HEAVY
+def test_xnnpack_decoder_both_modes_and_golden_on_the_default_model(tmp_path):
+    args = ["--backend=xnnpack", "--backend=eager", "--case=en_short", "-k", "decoder or golden"]
+    first = run_pytest(args, tmp_path)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    assert "kokoro-parity summary" in first.stdout
+    check_decoder_records(tmp_path, "en_short")
+    assert_no_work(run_pytest(args, tmp_path))
 
 
 def test_ids_select_what_a_user_expects():

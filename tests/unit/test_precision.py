@@ -15,6 +15,7 @@ from harness.precision.islands import keep_float32_graph, keep_tag, not_in_progr
 from harness.precision.search import Target, candidates, evaluate, module_audit, search, write_keep_list
 from harness.steps import Step, Tensor
 from harness.verdict import Tolerance, Verdict, judge_outputs, shippable
+from tests.unit.conftest import shared_references
 
 
 class Phase(nn.Module):
@@ -461,7 +462,7 @@ def test_e2e_targets_are_the_two_stages_judged_as_the_e2e_item_does(random_model
     from harness.cases import write_case
     from harness.precision.search import share_of, step_label, targets_for, verify
 
-    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache")))
     monkeypatch.setenv("KOKORO_PARITY_CASES", str(tmp_path / "cases"))
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     targets = targets_for(random_model, ["tiny"], "e2e")

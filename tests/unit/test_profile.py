@@ -11,6 +11,7 @@ import torch
 
 from harness.plumbing.files import save_tensors
 from harness.plumbing.jobs import run_job
+from tests.unit.conftest import shared_references
 
 pytest.importorskip("executorch")
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +85,7 @@ def test_profile_of_a_tiny_case_item_on_both_executorch_backends(tmp_path, monke
     from harness.runner import Item, Session
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache")))
     session = Session(weights="random:0", case_ids=["tiny"], report_dir=tmp_path / "reports")
     session._cases = {c.id: c for c in load_cases(tmp_path / "cases")}
     for backend, where in (("xnnpack", "delegated"), ("portable", "portable kernel")):

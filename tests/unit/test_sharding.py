@@ -1,5 +1,6 @@
 """Sharding and parallel runs give the same items and verdicts as a plain run, and a parallel run
-exports each program once (a small matrix: the eager backend on two token steps, both modes)."""
+exports each program once (a small matrix: the eager backend on two token steps, both modes, of the
+seeded random model's tiny case: what is checked is the plugin's sharding, not the weights)."""
 from __future__ import annotations
 
 import json
@@ -10,16 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import child_pytest_env
+from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ["--backend=eager", "--case=en_short", "-k", "bert_encoder or (bert and not golden)", "-p", "no:logging"]
+MATRIX = ["--weights=random:0", "--backend=eager", "--case=tiny", "-k", "bert_encoder or (bert and not golden)",
+          "-p", "no:logging"]
 
 
 def pytest_run(tmp_path, name, cache, *extra):
     out = tmp_path / name
     env = child_pytest_env(KOKORO_PARITY_CACHE=str(cache))
-    r = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", *MATRIX, f"--report-dir={out}", *extra],
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", *MATRIX, f"--cases-dir={tmp_path / 'cases'}",
+                        f"--report-dir={out}", *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=2400, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
@@ -33,21 +36,12 @@ def exports(stdout):
     return int(re.search(r"work: exports (\d+)", stdout).group(1))
 
 
-def shared_cache(path: Path) -> Path:
-    """A fresh program/artifact cache that shares the user cache's weights and traces (content-
-    addressed, so sharing is safe): what is measured here is exporting, not the references."""
-    from harness.plumbing.cache import cache_dir
-
-    path.mkdir()
-    for kind in ("weights", "traces"):
-        (cache_dir() / kind).mkdir(exist_ok=True)
-        (path / kind).symlink_to(cache_dir() / kind)
-    return path
-
-
 @pytest.mark.slow
 def test_shards_and_workers_match_the_plain_run(tmp_path):
-    cache = shared_cache(tmp_path / "cache")
+    from harness.cases import write_case
+
+    write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    cache = shared_references(tmp_path / "cache")  # the references: the test run's, shared
     plain, out = pytest_run(tmp_path, "plain", cache)
     assert len(verdicts(plain)) == 4 and exports(out) == 4
 
@@ -59,7 +53,7 @@ def test_shards_and_workers_match_the_plain_run(tmp_path):
                    cwd=ROOT, check=True, capture_output=True)
     assert verdicts(merged) == verdicts(plain)
 
-    fresh = shared_cache(tmp_path / "cache2")  # no programs: the workers export everything
+    fresh = shared_references(tmp_path / "cache2")  # no programs: the workers export everything
     parallel, out = pytest_run(tmp_path, "parallel", fresh, "-n", "2")
     assert verdicts(parallel) == verdicts(plain)
     assert "kokoro-parity summary" in out and exports(out) == 4  # each program exported once

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.conftest import shared_references
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -54,7 +56,7 @@ def test_an_installed_wheel_runs_a_users_own_case(tmp_path):
         """))
     write_case(project / "parity-cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["KOKORO_PARITY_CACHE"] = str(tmp_path / "cache")
+    env["KOKORO_PARITY_CACHE"] = str(shared_references(tmp_path / "cache"))  # the run's references: same content
 
     where = run([python, "-c", "import harness, harness.cases as c, harness.golden as g; print(harness.__file__); "
                  "print(sorted(x.id for x in c.load_cases())); "
