@@ -13,7 +13,7 @@ import torch
 
 from harness import cli, options, plugin
 from harness.options import Localize, RunConfig
-from tests.unit.conftest import child_pytest_env
+from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTEST_ONLY = {"--golden-dir", "--update-golden", "--shard"}
@@ -93,6 +93,7 @@ def test_face_parity_backend_step_and_artifact_with_bisect(tmp_path):
     from harness.steps import get_step
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    shared_references(tmp_path / "cache")  # the tiny case's references, computed once per test run
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(tmp_path / "cache"))
         session = Session(weights="random:0", case_ids=["tiny"], report_dir=tmp_path / "unused")
