@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from .executorch import EXECUTORCH_PATCHES, XnnpackBackend
-from .tvm import TvmBackend, _flatten, converter_fixes
+from .tvm import TvmBackend, converter_fixes
+from .tvm_library import _flatten
 
 
 def _not_macos(what: str) -> tuple[bool, str]:
