@@ -4,6 +4,7 @@ stage by stage against the reference at the port's own boundaries.
 - tensors.py: the Kokoro tensor vocabulary a port file maps to.
 - portfile.py: `port.yaml`, validated whole (`load_port`); the one-stage whole-model port.
 - noise.py: the noise band of the audio metrics for artifacts that draw their own noise.
+- differences.py: what a difference looks like in words (non-finite, gain, sign flip, shift, noise).
 - chain.py: run a port on a case; each stage judged locally and chained; one record.
 - onnx_graph.py: an ONNX read and rewritten (module of a node, random ops, durations, marked and forced copies).
 - onnx_stages.py: localization inside an ONNX artifact (intermediate outputs mapped to modules).

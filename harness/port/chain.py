@@ -31,12 +31,14 @@ import torch
 from . import tensors
 from .durations import FoundDurations, found_durations, run_with_durations
 from .noise import noise_inside, zero_noise_reference
-from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, resolve_glue
+from .differences import MAX_SHIFT, difference_kind, nonfinite  # noqa: F401 (the chain's judges use them)
+from .noise import session_k  # noqa: F401
+from .onnx_stages import localize_item
+from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, open_port, resolve_glue
 
 from ..model import SAMPLES_PER_FRAME
 from ..record import compiled_not_run
 
-MAX_SHIFT = 64  # samples (or positions) tried when naming a difference a shift
 
 
 @dataclass(frozen=True)
@@ -78,15 +80,7 @@ class PortItem:
         return record.verdict.value == "fail"
 
     def localize(self, session, record, how, log) -> None:
-        from .onnx_stages import localize_item  # cycle: onnx_stages uses this module's judging helpers
-
         localize_item(session, self, record, log=log)  # inside each ONNX stage; a repro bundle
-
-
-def open_port(spec: str) -> Port:
-    from .portfile import load_port, whole_model_port
-
-    return whole_model_port(spec[4:]) if spec.startswith("e2e=") else load_port(spec)
 
 
 def port_items(session, specs: list[str], modes=("dynamic",)) -> list[PortItem]:
@@ -758,58 +752,6 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
     return m
 
 
-def nonfinite(value: torch.Tensor, ref: torch.Tensor | None = None) -> str | None:
-    """"NaN: n of N values non-finite" (or "Inf: ...") when `value` holds NaN or Inf where `ref`
-    (when given, of the same shape) is finite; else None. Every judge puts it first in its reason."""
-    if not value.is_floating_point():
-        return None
-    bad = ~torch.isfinite(value)
-    if ref is not None and tuple(ref.shape) == tuple(value.shape):
-        bad &= torch.isfinite(ref)
-    n = int(bad.sum())
-    if not n:
-        return None
-    word = "NaN" if bool(torch.isnan(value[bad]).any()) else "Inf"
-    return f"{word}: {n} of {value.numel()} values non-finite"
-
-
-def difference_kind(out: torch.Tensor, ref: torch.Tensor) -> str:
-    """What a difference looks like: NaN, a constant gain (and its dB), a sign flip, a shift in
-    samples along the last axis, or noise-like (with its SNR)."""
-    o, r = out.double().reshape(-1, out.shape[-1]) if out.dim() else out.double().reshape(1, 1), \
-        ref.double().reshape(-1, ref.shape[-1]) if ref.dim() else ref.double().reshape(1, 1)
-    if not torch.isfinite(o).all():
-        return f"NaN/Inf ({int((~torch.isfinite(o)).sum())} values)"
-    rr = float((r * r).sum())
-    err = float(((o - r) ** 2).sum())
-    if rr == 0:
-        return "reference is zero"
-    if err == 0:
-        return "identical"
-    if err <= 1e-12 * rr:
-        return "rounding-level (rel < 1e-6)"
-    gain = float((o * r).sum()) / rr
-    resid_gain = float(((o - gain * r) ** 2).sum())
-    if resid_gain < 0.05 * err and abs(gain - 1) > 1e-3:
-        if gain < 0 and abs(abs(gain) - 1) < 0.05:
-            return "sign flip"
-        db = 20 * math.log10(abs(gain)) if gain else -math.inf
-        return f"constant gain x{gain:.4g} ({db:+.2f} dB)" + (" with a sign flip" if gain < 0 else "")
-    n = o.shape[-1]
-    best = (err, 0)
-    for s in range(-min(MAX_SHIFT, n - 1), min(MAX_SHIFT, n - 1) + 1):
-        if s == 0:
-            continue
-        a, b = (o[:, s:], r[:, :-s]) if s > 0 else (o[:, :s], r[:, -s:])
-        e = float(((a - b) ** 2).sum()) * n / max(n - abs(s), 1)
-        if e < best[0]:
-            best = (e, s)
-    if best[1] and best[0] < 0.05 * err:
-        return f"shift by {best[1]:+d} samples"
-    snr = 10 * math.log10(rr / err)
-    return f"noise-like (SNR {snr:.1f} dB)"
-
-
 def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, case, local=None) -> None:
     """The verdict: every chained output of every stage, and the final audio (against the noise
     band when its stage draws its own noise, else against the floor), plus the durations."""
@@ -887,7 +829,3 @@ def _is_nonfinite(m: dict) -> bool:
     return not m.get("ok", True) and m.get("why", "").startswith(("NaN: ", "Inf: "))
 
 
-def session_k(session) -> int:
-    from .noise import DEFAULT_K
-
-    return int(session.noise_k or DEFAULT_K)

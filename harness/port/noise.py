@@ -139,3 +139,7 @@ def zero_noise_reference(session, case_id: str) -> dict[str, torch.Tensor]:
             torch.set_default_dtype(default)
         memo[case_id] = {"float32": _decoder_audio(km32, chain, zero), "float64": audio64}
     return memo[case_id]
+
+
+def session_k(session) -> int:
+    return int(session.noise_k or DEFAULT_K)

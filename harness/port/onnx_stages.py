@@ -394,7 +394,7 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
     """Fill `entry["chained"]` and `entry["local"]` (rel L2, its fp32 floor, ok, kind of difference)
     from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it)."""
     from ..metrics.tensor import compare_to_floor
-    from .chain import difference_kind, nonfinite
+    from .differences import difference_kind, nonfinite
 
     for role in ("chained", "local"):
         value = row.get(role)
@@ -420,7 +420,7 @@ def band_rows(session, case_id: str, traces, audio, tol) -> dict:
     """Audio metrics of `audio` (the reference durations forced) against the noise band."""
     from ..metrics.audio import audio_metrics
     from ..verdict import band_comparator
-    from .chain import session_k
+    from .noise import session_k
     from .noise import DIRECTIONS, noise_band
 
     band = noise_band(session.model, session.cases[case_id], traces, session_k(session))
@@ -524,7 +524,7 @@ def write_repro(out: Path, row: dict, ref: dict, path: str, tol) -> str:
 
 def localize_item(session, item, rec, log=print) -> None:
     """`--bisect` on a port item: localize inside each ONNX stage of a whole-model port."""
-    from .chain import open_port
+    from .portfile import open_port
 
     port = open_port(item.spec)
     stage = port.stages[0]

@@ -592,3 +592,7 @@ def _is_int8(artifact: Path) -> bool:
     ops = {n.op_type for n in onnx.load(str(artifact), load_external_data=False).graph.node}
     return bool(ops & {"MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
                        "DynamicQuantizeLSTM"})
+
+
+def open_port(spec: str) -> Port:
+    return whole_model_port(spec[4:]) if spec.startswith("e2e=") else load_port(spec)

@@ -306,7 +306,7 @@ def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etr
     from ..reference import module_captures
     from ..steps import get_step
     from ..verdict import comparator
-    from .chain import difference_kind
+    from .differences import difference_kind
     from .onnx_stages import _best_layout
 
     events, gaps, handles = dumped["events"], dumped["graph_gaps"], dumped["handles"]
