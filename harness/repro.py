@@ -36,7 +36,7 @@ def render_repro(backend, summary: str, node: str, floor_multiplier: float, rel_
         return _NO_RUNNER.format(backend=backend.name, cls=type(backend).__module__ + "." + type(backend).__qualname__,
                                  code=CANNOT_RUN_HERE)
     return _REPRO.format(summary=summary, backend=backend.name, runner=runner, floor_multiplier=floor_multiplier,
-                         rel_l2=rel_l2, node=node)
+                         rel_l2=rel_l2, node=node, code=CANNOT_RUN_HERE)
 
 
 _REPRO = '''#!/usr/bin/env python3
@@ -45,7 +45,8 @@ _REPRO = '''#!/usr/bin/env python3
 Runs the minimal failing subgraph (program.pt2, a torch.export ExportedProgram) on inputs.pt in
 PyTorch and on {backend}, compares both with the float64 expected output (expected.pt), and
 exits 1 while the backend's error is beyond {floor_multiplier:g} x PyTorch float32's own error and
-beyond a relative L2 of {rel_l2:g}, or has NaN/Inf. Needs only torch, numpy and the backend's package.
+beyond a relative L2 of {rel_l2:g}, or has NaN/Inf; {code} when the backend's package is missing here.
+Needs only torch, numpy and the backend's package.
 """
 import math
 import sys
@@ -89,6 +90,9 @@ def main():
           ", ".join(f"{{tuple(t.shape)}} {{t.dtype}}" for t in inputs))
     try:
         theirs = run_backend(program, [t.clone() for t in inputs])
+    except ImportError as e:  # the backend's package is not installed here: neither reproduced nor fixed
+        print(f"{backend}: cannot run here: {{type(e).__name__}}: {{e}}")
+        return {code}
     except Exception as e:  # a backend that raises reproduces the bug too
         print(f"{backend}: raised {{type(e).__name__}}: {{e}}")
         return 1

@@ -432,6 +432,23 @@ def test_repro_templates_run_alone(tmp_path, backend, exit_code, says):
     assert "harness" not in (bundle / "repro.py").read_text().split('"""', 2)[2]
 
 
+def test_a_repro_without_its_runtime_installed_cannot_run_here(tmp_path):
+    """A maintainer without the backend's package gets exit 2 (cannot run here), not 1: an
+    ImportError is not the bug reproduced."""
+    from types import SimpleNamespace
+
+    from harness.repro import render_repro
+
+    bundle = _tiny_bundle(tmp_path, "eager")
+    missing = SimpleNamespace(name="missing-runtime", repro_source=lambda: (
+        "def run_backend(program, inputs):\n    import not_a_runtime_installed_here  # noqa: F401\n"))
+    (bundle / "repro.py").write_text(render_repro(missing, "tiny conv", "gelu", 4.0, 1e-5))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "repro.py"], cwd=bundle, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "cannot run here: ModuleNotFoundError" in p.stdout
+
+
 # ---- probes that cannot run (issue 22) --------------------------------------------------------
 
 class _SourceLike(torch.nn.Module):
