@@ -5,6 +5,7 @@ Only this module knows argparse. Heavy imports happen inside the commands, so `-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def cmd_run(args) -> int:
 
 def _run_ports(args, specs: list[str]) -> int:
     """Port items (whole-model files, port files) for the chosen cases: one stage table each."""
-    return _judge(_config(args).replace(artifacts=(), ports=tuple(specs), modes=("dynamic",)), [], summary=False)
+    return _judge(dataclasses.replace(_config(args), artifacts=(), ports=tuple(specs), modes=("dynamic",)), [], summary=False)
 
 
 def _judge(config: options.RunConfig, backends: list[str], summary: bool) -> int:
@@ -224,7 +225,7 @@ def cmd_profile(args) -> int:
     from .profile import markdown, profile_item
     from .runner import Item
 
-    session = _session(_config(args).replace(case_ids=(args.case,)))
+    session = _session(dataclasses.replace(_config(args), case_ids=(args.case,)))
     try:
         table, out = profile_item(session, Item(args.case, args.step, args.backend, args.mode), repeat=args.repeat)
     except RuntimeError as e:  # the item did not compile, or the profiled run failed: the reason, not a traceback

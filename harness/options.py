@@ -8,7 +8,7 @@ configuration a Session is built from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +31,7 @@ class Option:
     help: str
     action: str | None = None  # "append", "store_true", or None (one value)
     type: Callable | None = None
-    default: Any = "unset"  # append: [] (backend, case and step: None, "every one"); else None
+    default: Any = ...  # Ellipsis: append -> [] (backend, case, step say None: "every one"); else None
     choices: tuple | None = None
     metavar: str | None = None
 
@@ -41,7 +41,7 @@ class Option:
 
     @property
     def initial(self):
-        if self.default != "unset":
+        if self.default is not ...:
             return self.default
         return [] if self.action == "append" else None
 
@@ -177,6 +177,3 @@ class RunConfig:
                    backends=many("backend"), steps=many("step"),
                    modes=("dynamic", "static") if value("mode") == "both" else (value("mode"),),
                    artifacts=tuple(value("artifact")), ports=tuple(value("port")))
-
-    def replace(self, **changes) -> "RunConfig":
-        return type(self)(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})

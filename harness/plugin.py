@@ -180,9 +180,15 @@ class _PytestLine:
         self.drawn = False
 
 
+CONFIG_KEY = pytest.StashKey()  # this run's options.RunConfig
+
+
 def run_config(config: pytest.Config) -> options.RunConfig:
     """This run's options, read once (harness.options: the same table as the CLI's)."""
-    return options.RunConfig.from_options(config.getoption, extra_cases_dirs=config.getini("kokoro_parity_cases"))
+    if CONFIG_KEY not in config.stash:
+        config.stash[CONFIG_KEY] = options.RunConfig.from_options(
+            config.getoption, extra_cases_dirs=config.getini("kokoro_parity_cases"))
+    return config.stash[CONFIG_KEY]
 
 
 def _session(config: pytest.Config):
