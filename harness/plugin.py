@@ -6,13 +6,26 @@ Registered through the `pytest11` entry point. It is the only module that import
 from __future__ import annotations
 
 import contextlib
+import json
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from _pytest.config.findpaths import locate_config
 
-from . import options, pipeline
+from . import options, pipeline, progress
+from .artifacts import artifact_items
+from .backends import backend_names, get_backend, set_disabled_workarounds
+from .cases import CaseError
+from .golden import GOLDEN_DIR, GoldenError, GoldenStore
+from .plumbing.files import atomic_write_json
+from .plumbing.targets import TargetError, get_target
+from .port.chain import port_items
 from .quiet import quiet_logs
-from .record import Record
+from .record import Record, read_records
+from .report import item_table, summary_table, verdict_cell
+from .runner import Session
 from .verdict import Verdict
 
 
@@ -61,8 +74,6 @@ def _check_rootdir_kept(config: pytest.Config) -> None:
 def _pytest_ini(path: Path) -> tuple[Path | None, bool]:
     """The file pytest looks to for its configuration from `path` (its own lookup, upwards), and
     whether that file holds any."""
-    from _pytest.config.findpaths import locate_config
-
     found = locate_config(path, [path])
     return found[1], bool(found[2])
 
@@ -86,15 +97,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_VerdictLines(config), "kokoro-parity-verdict-lines")
         _check_rootdir_kept(config)
         if getattr(config.option, "target", "local") != "local":  # a bad target or targets file: a usage error now
-            from .plumbing.targets import TargetError, get_target
-
             try:
                 get_target(config.option.target, config.option.targets_file)
             except TargetError as e:
                 raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "no_workaround", None):  # read by the backends here and in their job children
-        from .backends import set_disabled_workarounds
-
         try:
             set_disabled_workarounds(config.option.no_workaround)
         except ValueError as e:
@@ -107,7 +114,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # the controller (or a plain run) starts afresh
         for p in (Path(session.config.getoption("--report-dir")) / "counts").glob("*.json"):
             p.unlink()
-    from . import progress
 
     progress.set_display(_progress_display(session.config))
     _session(session.config)  # a bad case or target: one usage error (exit 4) before collection
@@ -119,16 +125,12 @@ def _progress_display(config: pytest.Config):
     without pytest's terminal reporter (`-p no:terminal`); plain lines on stderr from an xdist
     worker (it has no terminal of its own: it must not draw); one updating line inside pytest's
     own on a terminal that takes escape codes; plain lines otherwise (CI logs, pipes)."""
-    from . import progress
-
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None or getattr(config.option, "verbose", 0) < 0:
         return None
     capman = config.pluginmanager.get_plugin("capturemanager")
     uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
     if hasattr(config, "workerinput"):
-        import sys
-
         def to_stderr(line: str) -> None:
             with uncaptured():
                 print(line, file=sys.stderr, flush=True)
@@ -194,11 +196,7 @@ def run_config(config: pytest.Config) -> options.RunConfig:
 def _session(config: pytest.Config):
     s = config.stash.get(SESSION_KEY, None)
     if s is None:
-        from .runner import Session
-
         s = Session.from_config(run_config(config))
-        from .cases import CaseError
-        from .plumbing.targets import TargetError
 
         try:
             s.target_for(s.target)  # an unknown target or a malformed targets file: a usage error now
@@ -211,8 +209,6 @@ def _session(config: pytest.Config):
 
 
 def _backends(config: pytest.Config) -> list[str]:
-    from .backends import backend_names, get_backend
-
     chosen = config.getoption("--backend")
     if chosen:
         for name in chosen:
@@ -232,15 +228,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         only_users = (specs or ports) and not config.getoption("--backend")
         items = [] if only_users else _session(config).items(_backends(config), modes=modes)
         if specs:
-            from .artifacts import artifact_items
-
             try:
                 items += artifact_items(_session(config), specs, modes)
             except (ValueError, FileNotFoundError) as e:
                 raise pytest.UsageError(str(e)) from None
         if ports:
-            from .port.chain import port_items
-
             items += port_items(_session(config), ports, modes)
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:
@@ -267,8 +259,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if groups:
         items.sort(key=lambda it: _case_length(config, it))  # stable: the order within a case stays
     else:  # no parity item here (this repository's unit tests): their Sessions' phases are not news
-        from . import progress
-
         progress.set_display(None)
     shard = config.getoption("--shard")
     if shard:
@@ -319,11 +309,7 @@ def parity_session(request: pytest.FixtureRequest):
 @pytest.fixture
 def check_parity(request: pytest.FixtureRequest):
     """Run one item and turn its record into a pytest outcome with a metric table, not a traceback."""
-    from .report import item_table, verdict_cell
-
     def check(item) -> Record:
-        from . import progress
-
         with progress.item(item.id):
             rec = pipeline.check(_session(request.config), item, run_config(request.config).localize)
         request.config.stash[RECORDS_KEY].append(rec)
@@ -340,9 +326,6 @@ def check_parity(request: pytest.FixtureRequest):
 @pytest.fixture
 def check_golden(request: pytest.FixtureRequest):
     def check(case_id: str, mode: str) -> None:
-        from .golden import GoldenError
-
-        from . import progress
 
         session = _session(request.config)
         with progress.item(f"{case_id}-{mode}-golden"):
@@ -365,8 +348,6 @@ def check_golden(request: pytest.FixtureRequest):
 def _golden_store(config: pytest.Config, model, case_id: str, mode: str):
     """The user's golden store (--golden-dir / kokoro_parity_golden) when set; for reading, the
     shipped store where the user's has no data for this case (the shipped cases' golden data)."""
-    from .golden import GOLDEN_DIR, GoldenStore
-
     own = config.getoption("--golden-dir") or next(iter(config.getini("kokoro_parity_golden")), None)
     if own is None:
         return GoldenStore.for_model(model)
@@ -380,7 +361,6 @@ def _golden_store(config: pytest.Config, model, case_id: str, mode: str):
 class _RanItems:
     """Remembers which parity items ran, in the config's stash: under xdist the records live in
     the workers, and the controller, which sees only their reports, reads the records by id."""
-
     def __init__(self, config: pytest.Config) -> None:
         self.ran = config.stash.setdefault(RAN_KEY, set())
 
@@ -394,7 +374,6 @@ class _VerdictLines:
     """Prints each parity item's verdict line (verdict, error against its floor, PESQ) as the item
     ends, after pytest's own mark for it: a long run shows its results as they come, not only in
     the summary table at the end. In the controller under xdist: the line comes with the report."""
-
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
 
@@ -413,15 +392,11 @@ class _VerdictLines:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Each process writes its work counts, so that the controller (xdist) can add them up."""
-    from . import progress
-
     progress.set_display(None)
     s = session.config.stash.get(SESSION_KEY, None)
     if s is not None:
         s.close()  # the targets' SSH connections
     if s is not None and s.counts:
-        from .plumbing.files import atomic_write_json
-
         worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
         atomic_write_json(s.report_dir / "counts" / f"{worker}.json", dict(s.counts))
 
@@ -433,16 +408,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     session = _session(config)
     records = config.stash.get(RECORDS_KEY, None)
     if not records:  # xdist controller: read what the workers wrote
-        from .record import read_records
-
         records = [r for r in read_records(session.report_dir / "records") if r.item_id in ran]
-    from .report import summary_table
 
     tr = terminalreporter
     passing_ports = [r for r in records if r.stages and r.verdict.ok]  # a failing one printed its own
     if passing_ports:
-        from .report import item_table
-
         tr.section("kokoro-parity ports, stage by stage")
         for rec in passing_ports:
             tr.write_line(item_table(rec))
@@ -458,9 +428,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 
 
 def _counts(session):
-    from collections import Counter
-    import json
-
     total = Counter(session.counts)
     if not total:
         for p in (session.report_dir / "counts").glob("*.json"):
