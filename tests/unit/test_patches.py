@@ -163,7 +163,7 @@ def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch()
     from executorch.runtime import Runtime
 
     from harness.patches import PATCHES
-    from harness.upstream import InstanceNorm, _long_channel
+    from harness.upstream.programs import InstanceNorm, _long_channel
 
     module = InstanceNorm(3).eval()
     with torch.no_grad():
@@ -192,7 +192,8 @@ def test_instance_norm_float64_stats_is_finite_on_tvm():
     from tvm.relax.frontend.torch import from_exported_program
 
     from harness.patches import PATCHES
-    from harness.upstream import InstanceNorm, _long_channel, _tvm_run
+    from harness.upstream.checks import _tvm_run
+    from harness.upstream.programs import InstanceNorm, _long_channel
 
     module = InstanceNorm(1).eval()
     (x,) = _long_channel()
@@ -219,7 +220,8 @@ def test_instance_norm_float64_stats_brings_tvm_onnx_to_pytorchs_error():
 
     from harness.backends import get_backend
     from harness.patches import PATCHES
-    from harness.upstream import InstanceNorm, _tvm_run
+    from harness.upstream.checks import _tvm_run
+    from harness.upstream.programs import InstanceNorm
 
     assert "instance_norm_float64_stats" in get_backend("tvm-onnx").patches
     x = (10.0 + 0.1 * torch.randn(1, 1, 4096, generator=torch.Generator().manual_seed(0))).float()

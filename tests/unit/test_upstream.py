@@ -1,4 +1,4 @@
-"""Upstream repro bundles (harness/upstream.py, docs/upstream/) and named workarounds.
+"""Upstream repro bundles (harness/upstream/, docs/upstream/) and named workarounds.
 
 - Every bundle's repro.py runs in a fresh interpreter (-I: no PYTHONPATH, no user site) in which
   kokoro and this harness cannot be imported, and exits 1 (reproduces) on the pinned versions.
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness import upstream
+from harness.upstream import bundle, programs  # noqa: F401 - upstream.bundle, upstream.programs
 from harness.backends import NO_WORKAROUND_ENV, get_backend, set_disabled_workarounds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ def test_report_names_the_op_the_kokoro_line_and_the_versions():
         report = (DOCS / d.name / "REPORT.md").read_text()
         assert d.op in report and d.source[0] in report, d.name
         assert "reproduces" in report and "exit code 1" in report, d.name
-        assert upstream._version(d.runtime) in report, d.name
+        assert upstream.bundle._version(d.runtime) in report, d.name
 
 
 # ---- the bundles, run alone ------------------------------------------------------------------------
@@ -109,10 +110,10 @@ def test_rebuilt_bundle_reproduces_and_a_fixed_one_exits_0(tmp_path):
     r = upstream.run_isolated(bundle)
     assert r["exit_code"] == 1 and "non-finite" in r["message"], r["output"]
     short = torch.full((1, 24000 * 2, 1), 9 * 200.0)
-    torch.export.save(torch.export.export(upstream.SinePhase(), (short,)), str(bundle / "program.pt2"))
+    torch.export.save(torch.export.export(upstream.programs.SinePhase(), (short,)), str(bundle / "program.pt2"))
     torch.save([short], bundle / "inputs.pt")
     with torch.no_grad():
-        torch.save({"float64": [upstream.SinePhase()(short.double())]}, bundle / "expected.pt")
+        torch.save({"float64": [upstream.programs.SinePhase()(short.double())]}, bundle / "expected.pt")
     r = upstream.run_isolated(bundle)
     assert r["exit_code"] == 0 and r["message"].startswith("FIXED"), r["output"]
     (bundle / "repro.py").write_text("import harness\n")
@@ -178,7 +179,7 @@ def test_coreml_inference_ir_keeps_the_alias_when_alias_drop_is_off():
     pytest.importorskip("coremltools")
     from harness.backends.coreml import _inference_ir
 
-    program = torch.export.export(upstream.AlbertPositions(), (torch.zeros(1, 16, dtype=torch.long),))
+    program = torch.export.export(upstream.programs.AlbertPositions(), (torch.zeros(1, 16, dtype=torch.long),))
     ops = lambda ep: {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}  # noqa: E731
     assert "aten.alias.default" not in ops(_inference_ir(program))
     assert "aten.alias.default" in ops(_inference_ir(program, {"alias_drop"}))
