@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from harness import upstream
-from harness.upstream import bundle, programs  # noqa: F401 - upstream.bundle, upstream.programs
+from harness.upstream import bundle, catalog, programs  # noqa: F401 - upstream.bundle, .catalog, .programs
 from harness.backends import NO_WORKAROUND_ENV, get_backend, set_disabled_workarounds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,3 +236,17 @@ def test_compile_error_bisection_names_the_op_the_converter_lacks(tmp_path, monk
     assert repro["exit_code"] == 1 and repro["reproduces"], repro
     text = (Path(repro["path"]) / "repro.py").read_text()
     assert "DISABLED = ['alias_drop']" in text and "harness" not in text.split('"""', 2)[2]
+
+
+def test_a_malformed_catalog_entry_is_one_error_naming_the_defect_and_the_field(tmp_path):
+    """The catalog is data: a typo in an entry (an unknown check, a kind that is none) names the
+    file, the defect and the field, instead of failing later inside a bundle."""
+    good = yaml.safe_load(upstream.catalog.CATALOG.read_text())
+    for field, value in (("check", "check_nothing"), ("kind", "slow"), ("program", 3)):
+        bad = {**good, "defects": [dict(good["defects"][0], **{field: value})]}
+        path = tmp_path / "catalog.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ValueError, match=rf"catalog.yaml: defect coremltools-alias: field {field}"):
+            upstream.load_catalog(path)
+    searched, defects = upstream.load_catalog(upstream.catalog.CATALOG)
+    assert [d.name for d in defects] == [d.name for d in upstream.DEFECTS] and searched == upstream.SEARCHED
