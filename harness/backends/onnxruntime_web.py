@@ -175,64 +175,75 @@ class OrtWebBackend(Backend):
 
     def drive(self, page, cfg: dict) -> dict:
         """Run the page's session on `cfg` and return its answer (a seam for the tests' faults)."""
-        return page.evaluate("cfg => window.kokoroRun(cfg)", cfg)
+        return default_drive(page, cfg)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
         feed = input_feed(artifact_path, onnx_input_names(artifact_path), inputs)
-        arrays = {n: np.ascontiguousarray(t.detach().cpu().numpy()) for n, t in feed.items()}
-        specs = []
         for name, t in feed.items():
             if t.dtype not in DTYPES:
                 raise ValueError(f"input {name}: dtype {t.dtype} has no onnxruntime-web tensor type")
-            specs.append({"name": name, "dtype": DTYPES[t.dtype], "dims": list(t.shape)})
-        cfg = {"bundle": self.bundle, "ep": self.execution_provider, "threads": THREADS, "verbose": True,
-               "inputs": specs}
-        blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
-        with PageServer(files={**_page_files(), "/model.onnx": artifact_path},
-                        trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}, blobs=blobs) as server:
-            answer, console, browser = self._in_browser(server.url, cfg)
-            outputs = []
-            for i, out in enumerate(answer["outputs"]):
-                raw = server.posted.get(f"/output/{i}")
-                if raw is None:
-                    raise RuntimeError(f"output {out['name']}: the page posted no bytes")
-                array = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"])
-                outputs.append(torch.from_numpy(array.copy()))
-        self.run_audit = {"ort_web": {"version": ort_web_version(), "bundle": self.bundle,
-                                      "execution_provider": self.execution_provider, "wasm_threads": THREADS,
-                                      "page_s": answer["times"]},
-                          "browser": browser, "webgpu_adapter": answer.get("adapter"), **placement(console)}
-        return outputs
+        outputs, self.run_audit = run_in_browser(artifact_path, {n: t.detach().cpu().numpy() for n, t in feed.items()},
+                                                 self.execution_provider, self.bundle, self.drive)
+        return [torch.from_numpy(a) for a in outputs.values()]
 
-    def _in_browser(self, url: str, cfg: dict) -> tuple[dict, list[str], dict]:
-        """(the page's answer, its console lines, the browser's version and user agent), in a
-        browser started for this run and closed after it."""
-        # optional runtime: playwright (the web extra), only where a browser starts
-        from playwright.sync_api import Error as PlaywrightError
-        from playwright.sync_api import sync_playwright
 
-        console: list[str] = []
-        crashed: list[str] = []
-        with sync_playwright() as p:
-            browser = launch_chromium(p, webgpu=self.execution_provider == "webgpu")
+def default_drive(page, cfg: dict) -> dict:
+    return page.evaluate("cfg => window.kokoroRun(cfg)", cfg)
+
+
+def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str,
+                   drive=default_drive) -> tuple[dict, dict]:
+    """Run an ONNX file on named numpy arrays in onnxruntime-web in a headless Chromium started for
+    this call: ({output name: array} in the model's output order, the audit of where it ran). Any
+    ONNX file, so that what runs subgraphs of a user's ONNX (a localizer) can run them here too."""
+    arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
+    specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
+    cfg = {"bundle": bundle, "ep": execution_provider, "threads": THREADS, "verbose": True, "inputs": specs}
+    blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
+    with PageServer(files={**_page_files(), "/model.onnx": Path(model)},
+                    trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}, blobs=blobs) as server:
+        answer, console, browser = _in_browser(server.url, cfg, drive)
+        outputs = {}
+        for i, out in enumerate(answer["outputs"]):
+            raw = server.posted.get(f"/output/{i}")
+            if raw is None:
+                raise RuntimeError(f"output {out['name']}: the page posted no bytes")
+            outputs[out["name"]] = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"]).copy()
+    audit = {"ort_web": {"version": ort_web_version(), "bundle": bundle, "execution_provider": execution_provider,
+                         "wasm_threads": THREADS, "page_s": answer["times"]},
+             "browser": browser, "webgpu_adapter": answer.get("adapter"), **placement(console)}
+    return outputs, audit
+
+
+def _in_browser(url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
+    """(the page's answer, its console lines, the browser's version and user agent), in a browser
+    started for this run and closed after it."""
+    # optional runtime: playwright (the web extra), only where a browser starts
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    console: list[str] = []
+    crashed: list[str] = []
+    with sync_playwright() as p:
+        browser = launch_chromium(p, webgpu=cfg["ep"] == "webgpu")
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: console.append(m.text))
+            page.on("crash", lambda _: crashed.append("the page's renderer crashed"))
+            page.goto(url + "/runner.html")
+            page.wait_for_function("window.kokoroReady === true")
+            about = {"version": browser.version, "user_agent": page.evaluate("navigator.userAgent")}
             try:
-                page = browser.new_page()
-                page.on("console", lambda m: console.append(m.text))
-                page.on("crash", lambda _: crashed.append("the page's renderer crashed"))
-                page.goto(url + "/runner.html")
-                page.wait_for_function("window.kokoroReady === true")
-                about = {"version": browser.version, "user_agent": page.evaluate("navigator.userAgent")}
-                try:
-                    answer = self.drive(page, cfg)
-                except PlaywrightError as e:
-                    message = first_error_line(e)
-                    if crashed or "crash" in message.lower():
-                        raise PageCrashed(f"Chromium {browser.version}: {message}") from None
-                    raise RuntimeError(f"onnxruntime-web ({self.execution_provider}): {message}") from None
-            finally:
-                _print_kept(console)
-                browser.close()
-        return answer, console, about
+                answer = drive(page, cfg)
+            except PlaywrightError as e:
+                message = first_error_line(e)
+                if crashed or "crash" in message.lower():
+                    raise PageCrashed(f"Chromium {browser.version}: {message}") from None
+                raise RuntimeError(f"onnxruntime-web ({cfg['ep']}): {message}") from None
+        finally:
+            _print_kept(console)
+            browser.close()
+    return answer, console, about
 
 
 def _print_kept(console: list[str]) -> None:
