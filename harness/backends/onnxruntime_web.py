@@ -45,6 +45,7 @@ NUMPY = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32
 PLACED = re.compile(r"(All nodes|Node\(s\)) placed on \[(\w+)\]\. Number of nodes: (\d+)")
 PLACED_NODE = re.compile(r"VerifyEachNodeIsAssignedToAnEp\]\s{3}(\S+) \((.*)\)\s*$")
 NO_KERNEL = re.compile(r"(\w+) kernel not found in registries for Op type: (\w+) node name: (.*)$")
+NODES_KEPT = 40  # node names of the CPU fallbacks the record keeps (the log has them all)
 KEPT_LOG = re.compile(r"\[[WEF]:onnxruntime|Node placements|placed on \[|VerifyEachNodeIsAssignedToAnEp\]\s{3}"
                       r"|kernel not found in registries")
 
@@ -113,19 +114,25 @@ def placement(log_lines: list[str]) -> dict:
     missing: Counter = Counter()
     for line in log_lines:
         if m := PLACED.search(line):
-            current = providers.setdefault(m.group(2), {"nodes": 0, "ops": Counter()})
+            current = providers.setdefault(m.group(2), {"nodes": 0, "ops": Counter(), "names": []})
             current["nodes"] += int(m.group(3))
             continue
         if current is not None and (m := PLACED_NODE.search(line)):
             current["ops"][m.group(1)] += 1
+            current["names"].append(f"{m.group(1)} ({m.group(2)})")
             continue
         current = None
         if m := NO_KERNEL.search(line):
             missing[f"{m.group(1)}:{m.group(2)}"] += 1
     for entry in providers.values():
         entry["ops"] = dict(sorted(entry["ops"].items()))
-    cpu = providers.get("CPUExecutionProvider", {}).get("ops", {})
-    return {"placement": providers, "ops_on_cpu": {k: v for k, v in cpu.items() if not k.startswith("Memcpy")},
+    cpu = providers.get("CPUExecutionProvider", {})
+    names = [n for n in cpu.get("names", []) if not n.startswith("Memcpy")]
+    for entry in providers.values():
+        del entry["names"]
+    return {"placement": providers,
+            "ops_on_cpu": {k: v for k, v in cpu.get("ops", {}).items() if not k.startswith("Memcpy")},
+            "nodes_on_cpu": names[:NODES_KEPT] + ([f"... {len(names) - NODES_KEPT} more"] if len(names) > NODES_KEPT else []),
             "ops_without_kernel": dict(sorted(missing.items()))}
 
 
@@ -149,7 +156,7 @@ class OrtWebBackend(Backend):
     artifact_name = ONNX_NAME
     run_imports = ("playwright.sync_api", "onnx")
     audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate",
-                    "ops_on_cpu": "ops onnxruntime-web ran on its CPU (wasm) kernels"}
+                    "ops_on_cpu": "ops the WebGPU session left on the CPU (wasm) kernels"}
     audit = OnnxRuntimeBackend.audit  # the exporter's gaps: one audit per program with onnxruntime's
     audit_requires = OnnxRuntimeBackend.audit_requires
 
@@ -211,7 +218,10 @@ def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str
             outputs[out["name"]] = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"]).copy()
     audit = {"ort_web": {"version": ort_web_version(), "bundle": bundle, "execution_provider": execution_provider,
                          "wasm_threads": THREADS, "page_s": answer["times"]},
-             "browser": browser, "webgpu_adapter": answer.get("adapter"), **placement(console)}
+             "browser": browser, "webgpu_adapter": answer.get("adapter")}
+    found = placement(console)
+    # the wasm provider is onnxruntime's CPU provider: all of it is "on the CPU", no fallback to name
+    audit.update(found if execution_provider == "webgpu" else {"placement": found["placement"]})
     return outputs, audit
 
 

@@ -108,6 +108,7 @@ def test_both_browser_backends_pass_a_random_step_and_record_where_it_ran(tiny):
     assert "HeadlessChrome" in wasm.audit["browser"]["user_agent"]
     assert f"onnxruntime-web=={_pinned()}" in wasm.versions["backend"]
     assert set(wasm.audit["placement"]) == {"CPUExecutionProvider"}  # the wasm provider is the CPU one
+    assert "ops_on_cpu" not in wasm.audit  # so nothing "falls back" there
     assert wasm.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0
 
     ok, why = get_backend("ort-web-webgpu").runnable()
@@ -123,6 +124,7 @@ def test_both_browser_backends_pass_a_random_step_and_record_where_it_ran(tiny):
     assert placed["WebGpuExecutionProvider"]["nodes"] > 0
     for op, n in gpu.audit["ops_on_cpu"].items():  # every fallback is a node the CPU provider took
         assert placed["CPUExecutionProvider"]["ops"][op] == n
+    assert len(gpu.audit["nodes_on_cpu"]) == min(sum(gpu.audit["ops_on_cpu"].values()), 41)
 
 
 def _gone(pids: list[int]) -> bool:
