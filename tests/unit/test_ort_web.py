@@ -38,7 +38,7 @@ def _problem() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def browser_runtime():
     problem = _problem()
     if problem:
@@ -81,7 +81,7 @@ class SilentPage(OrtWebWasmBackend):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, browser_runtime):
     from tests.unit.conftest import tiny_session_at
 
     with pytest.MonkeyPatch.context() as mp:
@@ -179,7 +179,7 @@ def test_the_page_server_serves_its_files_and_nothing_outside_them(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_90_mb_model_loads_from_the_server_in_both_providers(tmp_path):
+def test_a_90_mb_model_loads_from_the_server_in_both_providers(tmp_path, browser_runtime):
     """The size of Kokoro's float32 ONNX: served from its file, fetched by the page, never inlined."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -211,3 +211,17 @@ def test_a_90_mb_model_loads_from_the_server_in_both_providers(tmp_path):
         assert r.ok, f"{name}: {r.error}\n{r.log_tail}"
         out = torch.load(tmp_path / f"{name}.pt", weights_only=True)[0].double().numpy()
         assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 1e-5, name
+
+
+def test_without_onnxruntime_web_or_chromium_the_backends_say_why(tmp_path, monkeypatch):
+    from harness.backends import onnxruntime_web
+
+    monkeypatch.setenv("KOKORO_PARITY_WEB_DIR", str(tmp_path))  # a web/ where npm ci never ran
+    for name in ("ort-web-wasm", "ort-web-webgpu"):
+        ok, why = get_backend(name).available()
+        if "package(s) not installed" in why:
+            continue  # (the extra itself missing says so first)
+        assert not ok and why == f"onnxruntime-web not installed in {tmp_path}/node_modules (npm ci --prefix web)"
+    monkeypatch.setattr(onnxruntime_web, "CHROMIUM", str(tmp_path / "no-chromium"))
+    ok, why = get_backend("ort-web-wasm").available()
+    assert not ok and ("not installed (apt-get install chromium)" in why or "package(s) not installed" in why)
