@@ -13,7 +13,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[all]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# onnxruntime-web for the ort-web-* backends (web/package-lock.json pins it; npm's registry only);
+# without npm those backends' items stay SKIPPED and the rest installs as before.
+WEB_STAMP := web/node_modules/.installed
+$(WEB_STAMP): web/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix web --ignore-scripts --no-audit --no-fund --loglevel=error && touch $(WEB_STAMP); \
+	else echo "npm not found: ort-web-wasm and ort-web-webgpu will be SKIPPED (install Node.js, then make install)"; fi
+
+install: $(STAMP) $(WEB_STAMP)
 
 # The main job: Kokoro's decoder on ExecuTorch+XNNPACK and the eager control, every shipped case,
 # both modes, on the default model (rebuilt once from the packaged int8 ONNX).

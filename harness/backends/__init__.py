@@ -213,6 +213,9 @@ _BUILTIN = {
     "tvm": "harness.backends.tvm:TvmBackend",
     "onnxruntime": "harness.backends.onnx:OnnxRuntimeBackend",
     "tvm-onnx": "harness.backends.onnx:TvmOnnxBackend",
+    # harness/backends/onnxruntime_web.py: onnxruntime's ONNX file in onnxruntime-web, headless Chromium
+    "ort-web-wasm": "harness.backends.onnxruntime_web:OrtWebWasmBackend",
+    "ort-web-webgpu": "harness.backends.onnxruntime_web:OrtWebWebGpuBackend",
     "coreml-fp32": "harness.backends.coreml:CoreMLFp32Backend",
     "coreml-fp16": "harness.backends.coreml:CoreMLFp16Backend",
     "fp16": "harness.backends.fp16:Fp16Backend",

@@ -223,7 +223,9 @@ def _child(workdir: Path) -> None:
         value = fn(**job["kwargs"])
         result = {"status": "ok", "value": value}
     except Exception as e:  # noqa: BLE001 - any failure of the job is its result
-        result = {"status": "error", "error": first_error_line(e), "traceback": traceback.format_exc(),
+        # a crash the job saw in a process it drives (a browser's renderer) says so: `job_status`
+        status = "crashed" if getattr(e, "job_status", None) == "crashed" else "error"
+        result = {"status": status, "error": first_error_line(e), "traceback": traceback.format_exc(),
                   "value": getattr(e, "partial", None)}  # what the job knew before failing (an audit)
         traceback.print_exc()
     result["seconds_in_child"] = time.monotonic() - start

@@ -1,0 +1,284 @@
+"""`ort-web-wasm` and `ort-web-webgpu`: the `onnxruntime` backend's ONNX file run by onnxruntime-web
+in headless Chromium, as Kokoro's web port (kokoro-js: transformers.js on onnxruntime-web) runs it.
+
+The compile is the `onnxruntime` backend's export (the same program, the same patches, the same
+artifact key: one ONNX file serves all three). The run, in the job's child process, starts a
+loopback server (harness.backends.web_page) and a headless Chromium of its own, opens web/runner.html
+in a fresh page, creates an InferenceSession with executionProviders ['wasm'] or ['webgpu'], and
+reads the outputs back as raw bytes. A browser per run keeps each item's isolation a process's: a
+renderer crash is the item's CRASHED (the page's own message), a page that never answers is the
+job's TIMEOUT (the child is killed, and its browser with it), a lost WebGPU device a RUN_ERROR with
+the browser's reason; the next item starts a new browser.
+
+The record says where it ran: onnxruntime-web's version and bundle, the browser's version and user
+agent, the WebGPU adapter (vendor, architecture, features, whether `shader-f16`, key limits), and
+the op audit from onnxruntime's own verbose log: which nodes each execution provider took after
+the session's graph optimizations, which fell back to the CPU (wasm) kernels, and why.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..plumbing.jobs import first_error_line
+from . import Backend
+from .onnx import ONNX_NAME, ONNX_PATCHES, OnnxRuntimeBackend, export_onnx, input_feed
+from .web_page import CHROMIUM, PageServer, launch_chromium
+
+WEB_DIR_ENV = "KOKORO_PARITY_WEB_DIR"  # another install of web/ (package.json + node_modules)
+REPO_WEB = Path(__file__).resolve().parents[2] / "web"
+NPM_PACKAGE = "onnxruntime-web"
+THREADS = 1  # one wasm thread: threads need a cross-origin-isolated page, and the machines have 2 cores
+# torch dtype -> onnxruntime-web tensor type (the page builds the typed array over the raw bytes)
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.int32: "int32",
+          torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool", torch.float16: "float16"}
+NUMPY = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32, "int8": np.int8,
+         "uint8": np.uint8, "bool": np.bool_, "float16": np.float16}
+PLACED = re.compile(r"(All nodes|Node\(s\)) placed on \[(\w+)\]\. Number of nodes: (\d+)")
+PLACED_NODE = re.compile(r"VerifyEachNodeIsAssignedToAnEp\]\s{3}(\S+) \((.*)\)\s*$")
+NO_KERNEL = re.compile(r"(\w+) kernel not found in registries for Op type: (\w+) node name: (.*)$")
+NODES_KEPT = 40  # node names of the CPU fallbacks the record keeps (the log has them all)
+KEPT_LOG = re.compile(r"\[[WEF]:onnxruntime|Node placements|placed on \[|VerifyEachNodeIsAssignedToAnEp\]\s{3}"
+                      r"|kernel not found in registries")
+
+
+class PageCrashed(RuntimeError):
+    """The page's renderer died: the item's CRASHED, with the browser's message."""
+
+    job_status = "crashed"  # harness.plumbing.jobs: a crash of a process the job drives
+
+
+def web_dir() -> Path:
+    return Path(os.environ.get(WEB_DIR_ENV) or REPO_WEB)
+
+
+def ort_web_version() -> str | None:
+    """The installed onnxruntime-web's version (web/node_modules), None when not installed."""
+    try:
+        return json.loads((web_dir() / "node_modules" / NPM_PACKAGE / "package.json").read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@functools.cache
+def chromium_version() -> str:
+    """`chromium --version` (Debian's wrapper script prints it; its shell noise on stderr is ignored)."""
+    try:
+        out = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({first_error_line(e)})"
+    found = re.search(r"Chromium ([\d.]+)", out)
+    return found.group(1) if found else out.strip() or "unknown"
+
+
+@functools.cache
+def webgpu_adapter() -> dict:
+    """What this machine's headless Chromium offers to WebGPU (asked once per process): the adapter's
+    info, or {"error": why there is none}."""
+    # optional runtime: playwright (the web extra), only where a browser starts
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    try:
+        with PageServer(files=_page_files()) as server, sync_playwright() as p:
+            browser = launch_chromium(p, webgpu=True)
+            try:
+                page = browser.new_page()
+                page.goto(server.url + "/runner.html")
+                page.wait_for_function("window.kokoroReady === true")
+                return page.evaluate("() => window.kokoroAdapter()")
+            finally:
+                browser.close()
+    except PlaywrightError as e:
+        return {"error": f"Chromium did not start: {first_error_line(e)}"}
+
+
+def _page_files() -> dict[str, Path]:
+    return {"/runner.html": web_dir() / "runner.html", "/runner.js": web_dir() / "runner.js"}
+
+
+def placement(log_lines: list[str]) -> dict:
+    """The op audit from onnxruntime's verbose log: nodes per execution provider (after its graph
+    optimizations; "All nodes placed" names no ops), the ops it put on the CPU provider, and the
+    ops a provider had no kernel for (the reason of most fallbacks)."""
+    providers: dict[str, dict] = {}
+    current = None
+    missing: Counter = Counter()
+    for line in log_lines:
+        if m := PLACED.search(line):
+            current = providers.setdefault(m.group(2), {"nodes": 0, "ops": Counter(), "names": []})
+            current["nodes"] += int(m.group(3))
+            continue
+        if current is not None and (m := PLACED_NODE.search(line)):
+            current["ops"][m.group(1)] += 1
+            current["names"].append(f"{m.group(1)} ({m.group(2)})")
+            continue
+        current = None
+        if m := NO_KERNEL.search(line):
+            missing[f"{m.group(1)}:{m.group(2)}"] += 1
+    for entry in providers.values():
+        entry["ops"] = dict(sorted(entry["ops"].items()))
+    cpu = providers.get("CPUExecutionProvider", {})
+    names = [n for n in cpu.get("names", []) if not n.startswith("Memcpy")]
+    for entry in providers.values():
+        del entry["names"]
+    return {"placement": providers,
+            "ops_on_cpu": {k: v for k, v in cpu.get("ops", {}).items() if not k.startswith("Memcpy")},
+            "nodes_on_cpu": names[:NODES_KEPT] + ([f"... {len(names) - NODES_KEPT} more"] if len(names) > NODES_KEPT else []),
+            "ops_without_kernel": dict(sorted(missing.items()))}
+
+
+def onnx_input_names(path: Path) -> list[str]:
+    # heavy runtime: onnx, only where an ONNX file is read
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {i.name for i in graph.initializer}
+    return [i.name for i in graph.input if i.name not in initializers]
+
+
+class OrtWebBackend(Backend):
+    """onnxruntime-web in headless Chromium; subclasses choose the execution provider and bundle."""
+
+    execution_provider = ""
+    bundle = ""  # the dist/ module the page imports (what `import ... from 'onnxruntime-web[/...]'` gives)
+    requires = ("onnx", "onnxscript", "playwright")
+    run_requires = ("playwright",)
+    patches = ONNX_PATCHES  # the onnxruntime backend's program, so its ONNX file (artifact_key)
+    artifact_name = ONNX_NAME
+    run_imports = ("playwright.sync_api", "onnx")
+    audit_labels = {"ops_without_onnx_translation": "ops the ONNX exporter cannot translate",
+                    "ops_on_cpu": "ops the WebGPU session left on the CPU (wasm) kernels"}
+    audit = OnnxRuntimeBackend.audit  # the exporter's gaps: one audit per program with onnxruntime's
+    audit_requires = OnnxRuntimeBackend.audit_requires
+
+    def available(self) -> tuple[bool, str]:
+        ok, why = super().available()
+        if not ok:
+            return ok, why
+        if not os.path.exists(CHROMIUM):
+            return False, f"{CHROMIUM} not installed (apt-get install chromium)"
+        if ort_web_version() is None:
+            return False, f"{NPM_PACKAGE} not installed in {web_dir()}/node_modules (npm ci --prefix web)"
+        return True, ""
+
+    def version(self) -> str:
+        return f"{NPM_PACKAGE}=={ort_web_version()},chromium=={chromium_version()},{super().version()}"
+
+    def artifact_key(self, program_key: str) -> str:
+        """The onnxruntime backend's: the compile is its export, so the ONNX file is shared."""
+        return OnnxRuntimeBackend().artifact_key(program_key)
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        return export_onnx(program_path, out_dir / ONNX_NAME)
+
+    def drive(self, page, cfg: dict) -> dict:
+        """Run the page's session on `cfg` and return its answer (a seam for the tests' faults)."""
+        return default_drive(page, cfg)
+
+    def run(self, artifact_path: Path, inputs: list) -> list:
+        feed = input_feed(artifact_path, onnx_input_names(artifact_path), inputs)
+        for name, t in feed.items():
+            if t.dtype not in DTYPES:
+                raise ValueError(f"input {name}: dtype {t.dtype} has no onnxruntime-web tensor type")
+        outputs, self.run_audit = run_in_browser(artifact_path, {n: t.detach().cpu().numpy() for n, t in feed.items()},
+                                                 self.execution_provider, self.bundle, self.drive)
+        return [torch.from_numpy(a) for a in outputs.values()]
+
+
+def default_drive(page, cfg: dict) -> dict:
+    return page.evaluate("cfg => window.kokoroRun(cfg)", cfg)
+
+
+def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str,
+                   drive=default_drive) -> tuple[dict, dict]:
+    """Run an ONNX file on named numpy arrays in onnxruntime-web in a headless Chromium started for
+    this call: ({output name: array} in the model's output order, the audit of where it ran). Any
+    ONNX file, so that what runs subgraphs of a user's ONNX (a localizer) can run them here too."""
+    arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
+    specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
+    cfg = {"bundle": bundle, "ep": execution_provider, "threads": THREADS, "verbose": True, "inputs": specs}
+    blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
+    with PageServer(files={**_page_files(), "/model.onnx": Path(model)},
+                    trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}, blobs=blobs) as server:
+        answer, console, browser = _in_browser(server.url, cfg, drive)
+        outputs = {}
+        for i, out in enumerate(answer["outputs"]):
+            raw = server.posted.get(f"/output/{i}")
+            if raw is None:
+                raise RuntimeError(f"output {out['name']}: the page posted no bytes")
+            outputs[out["name"]] = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"]).copy()
+    audit = {"ort_web": {"version": ort_web_version(), "bundle": bundle, "execution_provider": execution_provider,
+                         "wasm_threads": THREADS, "page_s": answer["times"]},
+             "browser": browser, "webgpu_adapter": answer.get("adapter")}
+    found = placement(console)
+    # the wasm provider is onnxruntime's CPU provider: all of it is "on the CPU", no fallback to name
+    audit.update(found if execution_provider == "webgpu" else {"placement": found["placement"]})
+    return outputs, audit
+
+
+def _in_browser(url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
+    """(the page's answer, its console lines, the browser's version and user agent), in a browser
+    started for this run and closed after it."""
+    # optional runtime: playwright (the web extra), only where a browser starts
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    console: list[str] = []
+    crashed: list[str] = []
+    with sync_playwright() as p:
+        browser = launch_chromium(p, webgpu=cfg["ep"] == "webgpu")
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: console.append(m.text))
+            page.on("crash", lambda _: crashed.append("the page's renderer crashed"))
+            page.goto(url + "/runner.html")
+            page.wait_for_function("window.kokoroReady === true")
+            about = {"version": browser.version, "user_agent": page.evaluate("navigator.userAgent")}
+            try:
+                answer = drive(page, cfg)
+            except PlaywrightError as e:
+                message = first_error_line(e)
+                if crashed or "crash" in message.lower():
+                    raise PageCrashed(f"Chromium {browser.version}: {message}") from None
+                raise RuntimeError(f"onnxruntime-web ({cfg['ep']}): {message}") from None
+        finally:
+            _print_kept(console)
+            browser.close()
+    return answer, console, about
+
+
+def _print_kept(console: list[str]) -> None:
+    """The run's log (the job's log.txt) keeps onnxruntime's warnings, errors and node placements,
+    not its verbose rest (shader sources, every transformer's step)."""
+    for line in console:
+        if KEPT_LOG.search(line):
+            print(line)
+
+
+class OrtWebWasmBackend(OrtWebBackend):
+    name = "ort-web-wasm"
+    execution_provider = "wasm"
+    bundle = "ort.wasm.min.mjs"  # `import * as ort from 'onnxruntime-web/wasm'`
+    description = "the onnxruntime ONNX file in onnxruntime-web, WebAssembly (CPU) provider, headless Chromium"
+
+
+class OrtWebWebGpuBackend(OrtWebBackend):
+    name = "ort-web-webgpu"
+    execution_provider = "webgpu"
+    bundle = "ort.webgpu.min.mjs"  # `import * as ort from 'onnxruntime-web/webgpu'`
+    description = "the onnxruntime ONNX file in onnxruntime-web, WebGPU provider, headless Chromium"
+
+    def runnable(self) -> tuple[bool, str]:
+        adapter = webgpu_adapter()
+        if "error" in adapter:
+            return False, f"no WebGPU in headless Chromium here: {adapter['error']}"
+        return True, ""

@@ -1,0 +1,120 @@
+"""A loopback HTTP server for one browser run, and the headless Chromium that loads its page.
+
+The ort-web-* backends (harness.backends.onnxruntime_web) run an ONNX file inside a web page, as
+a web port does. Everything the page needs comes from this server on 127.0.0.1: the page, the
+runtime's JavaScript and WebAssembly from web/node_modules, the model file (served from disk in
+chunks: a 90 MB model is never inlined into a script or a protocol message), each input's raw
+bytes; the page posts each output's raw bytes back. Nothing is fetched from the internet, and the
+server stops with the run. Tensors cross the page boundary as bytes, never as JSON number lists.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own browser downloads are never used
+# What every run's browser starts with: no network of its own, no first-run work, no sandbox (the
+# job's child may run as root in a container, where Chromium's sandbox cannot start)
+BASE_FLAGS = ["--headless", "--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--disable-default-apps", "--mute-audio"]
+# Headless Chromium hides WebGPU unless asked; on a machine without a GPU it then offers Dawn's
+# SwiftShader (Vulkan on the CPU) adapter. The wasm backend keeps the GPU process off.
+WEBGPU_FLAGS = ["--enable-unsafe-webgpu"]
+WASM_FLAGS = ["--disable-gpu"]
+
+TYPES = {".html": "text/html", ".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
+         ".json": "application/json", ".onnx": "application/octet-stream", ".map": "application/json"}
+CHUNK = 1 << 20
+
+
+class PageServer:
+    """Serves `files` (URL path -> file), `trees` (URL prefix -> directory) and `blobs` (URL path ->
+    bytes) on 127.0.0.1 and keeps what the page POSTs under `/output/` in `posted` (path -> bytes).
+    A context manager: the server runs in a thread while the `with` block lasts."""
+
+    def __init__(self, files: dict[str, Path] | None = None, trees: dict[str, Path] | None = None,
+                 blobs: dict[str, bytes] | None = None) -> None:
+        self.files = {k: Path(v) for k, v in (files or {}).items()}
+        self.trees = {k.rstrip("/") + "/": Path(v) for k, v in (trees or {}).items()}
+        self.blobs = dict(blobs or {})
+        self.posted: dict[str, bytes] = {}
+        self.requests: list[str] = []  # "GET /path 200", in order: what the page asked for
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> "PageServer":
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="page-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def resolve(self, path: str) -> Path | bytes | None:
+        """What a GET of `path` serves: a file, bytes, or None (404). A tree never serves outside itself."""
+        path = path.split("?", 1)[0]
+        if path in self.blobs:
+            return self.blobs[path]
+        if path in self.files:
+            return self.files[path]
+        for prefix, root in self.trees.items():
+            if path.startswith(prefix):
+                target = (root / path[len(prefix):]).resolve()
+                if target.is_file() and target.is_relative_to(root.resolve()):
+                    return target
+        return None
+
+
+def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            what = server.resolve(self.path)
+            server.requests.append(f"GET {self.path} {200 if what is not None else 404}")
+            if what is None:
+                self.send_error(404)
+                return
+            size = len(what) if isinstance(what, bytes) else what.stat().st_size
+            suffix = "" if isinstance(what, bytes) else what.suffix
+            self.send_response(200)
+            self.send_header("Content-Type", TYPES.get(suffix, "application/octet-stream"))
+            self.send_header("Content-Length", str(size))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            if isinstance(what, bytes):
+                self.wfile.write(what)
+            else:
+                with open(what, "rb") as f:
+                    shutil.copyfileobj(f, self.wfile, CHUNK)
+
+        def do_POST(self) -> None:  # noqa: N802
+            if not self.path.startswith("/output/"):
+                self.send_error(404)
+                return
+            length = int(self.headers.get("Content-Length", "0"))
+            server.posted[self.path] = self.rfile.read(length)
+            server.requests.append(f"POST {self.path} 200")
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:  # the run's log keeps the page's console, not every GET
+            pass
+
+    return Handler
+
+
+def launch_chromium(playwright, webgpu: bool):
+    """Debian's Chromium, headless, through Playwright (`executable_path`: its downloads unused)."""
+    flags = BASE_FLAGS + (WEBGPU_FLAGS if webgpu else WASM_FLAGS)
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=flags)

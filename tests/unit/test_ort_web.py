@@ -1,0 +1,227 @@
+"""The ort-web-wasm and ort-web-webgpu backends: onnxruntime's ONNX file of a random-weight step run
+by onnxruntime-web in Debian's headless Chromium (pages served on 127.0.0.1), judged against the
+reference; the record says where it ran; a crashed or silent page is its item's verdict.
+
+Without chromium, Playwright or web/node_modules these tests skip, except under CI, where they fail
+(`make install` runs `npm ci --prefix web`; .ci/run installs chromium)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harness.backends import EXTRA_ENV, get_backend
+from harness.backends.onnxruntime_web import OrtWebWasmBackend, ort_web_version, web_dir
+from harness.backends.web_page import CHROMIUM, PageServer
+from harness.plumbing.jobs import run_job
+
+REPO = Path(__file__).resolve().parents[2]
+FAULTS = ("ort-web-crash=tests.unit.test_ort_web:CrashingPage,"
+          "ort-web-hang=tests.unit.test_ort_web:SilentPage")
+PIDS_ENV = "KOKORO_PARITY_TEST_BROWSER_PIDS"  # where the fault backends write their browser's processes
+
+
+def _problem() -> str | None:
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} not installed (apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright not installed (pip install -e '.[web]')"
+    if ort_web_version() is None:
+        return f"onnxruntime-web not installed in {web_dir()} (npm ci --prefix web)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser_runtime():
+    problem = _problem()
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+
+
+def _write_pids(page) -> None:
+    """The browser's process ids (Chromium's own account), for the test to see them gone."""
+    info = page.context.browser.new_browser_cdp_session().send("SystemInfo.getProcessInfo")
+    Path(os.environ[PIDS_ENV]).write_text(json.dumps([p["id"] for p in info["processInfo"]]))
+
+
+class CrashingPage(OrtWebWasmBackend):
+    """Kills the page's renderer while its session is being created and run."""
+
+    name = "ort-web-crash"
+
+    def drive(self, page, cfg: dict) -> dict:
+        _write_pids(page)
+        from playwright.sync_api import Error as PlaywrightError
+
+        page.evaluate("cfg => { window.pending = window.kokoroRun(cfg); }", cfg)
+        try:  # Chromium's own crash URL kills the renderer (CDP's Page.crash never answers)
+            page.goto("chrome://crash", timeout=30_000)
+        except PlaywrightError:
+            pass  # the navigation is aborted by the crash
+        return page.evaluate("() => window.pending")
+
+
+class SilentPage(OrtWebWasmBackend):
+    """A page that never answers: the run job's time limit must end it, browser included."""
+
+    name = "ort-web-hang"
+
+    def drive(self, page, cfg: dict) -> dict:
+        _write_pids(page)
+        return page.evaluate("() => new Promise(() => {})")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, browser_runtime):
+    from tests.unit.conftest import tiny_session_at
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EXTRA_ENV, FAULTS)
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        mp.setenv(PIDS_ENV, str(tmp_path_factory.mktemp("pids") / "browser.json"))
+        with tiny_session_at(tmp_path_factory.mktemp("tiny"), compile_s=600) as s:
+            yield s
+
+
+def _pinned() -> str:
+    return json.loads((REPO / "web" / "package.json").read_text())["dependencies"]["onnxruntime-web"]
+
+
+@pytest.mark.slow
+def test_both_browser_backends_pass_a_random_step_and_record_where_it_ran(tiny):
+    """The same ONNX file as onnxruntime's (one compile), run in the browser and judged like any item."""
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    wasm = tiny.run(Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic"))
+    assert wasm.verdict is Verdict.PASS, wasm.reason
+    assert wasm.audit["ort_web"]["version"] == _pinned() and wasm.audit["ort_web"]["execution_provider"] == "wasm"
+    assert "HeadlessChrome" in wasm.audit["browser"]["user_agent"]
+    assert f"onnxruntime-web=={_pinned()}" in wasm.versions["backend"]
+    assert set(wasm.audit["placement"]) == {"CPUExecutionProvider"}  # the wasm provider is the CPU one
+    assert "ops_on_cpu" not in wasm.audit  # so nothing "falls back" there
+    assert wasm.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0
+
+    ok, why = get_backend("ort-web-webgpu").runnable()
+    gpu = tiny.run(Item("tiny", "bert_encoder", "ort-web-webgpu", "dynamic"))
+    if not ok:
+        assert gpu.verdict is Verdict.SKIPPED and "no WebGPU" in gpu.reason, gpu.reason
+        pytest.skip(why)
+    assert gpu.verdict is Verdict.PASS, gpu.reason
+    assert gpu.cache["artifact"] == "hit"  # the wasm item's ONNX file
+    adapter = gpu.audit["webgpu_adapter"]
+    assert adapter["vendor"] and isinstance(adapter["shader_f16"], bool) and adapter["limits"]["maxBufferSize"] > 0
+    placed = gpu.audit["placement"]
+    assert placed["WebGpuExecutionProvider"]["nodes"] > 0
+    for op, n in gpu.audit["ops_on_cpu"].items():  # every fallback is a node the CPU provider took
+        assert placed["CPUExecutionProvider"]["ops"][op] == n
+    assert len(gpu.audit["nodes_on_cpu"]) == min(sum(gpu.audit["ops_on_cpu"].values()), 41)
+
+
+def _gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+@pytest.mark.slow
+def test_a_crashed_page_and_a_silent_page_are_their_items_verdicts_and_the_next_item_passes(tiny):
+    from harness.runner import Item, Limits
+    from harness.verdict import Verdict
+
+    pids = Path(os.environ[PIDS_ENV])
+    limits, tiny.limits = tiny.limits, Limits(run_s=120)
+    try:
+        crashed = tiny.run(Item("tiny", "bert_encoder", "ort-web-crash", "dynamic"))
+    finally:
+        tiny.limits = limits
+    assert crashed.verdict is Verdict.CRASHED and "crash" in crashed.reason.lower(), crashed.reason
+    assert _gone(json.loads(pids.read_text()))
+    limits, tiny.limits = tiny.limits, Limits(run_s=20)
+    try:
+        hung = tiny.run(Item("tiny", "bert_encoder", "ort-web-hang", "dynamic"))
+    finally:
+        tiny.limits = limits
+    assert hung.verdict is Verdict.TIMEOUT and "no result after 20 s" in hung.reason, hung.reason
+    assert _gone(json.loads(pids.read_text())), "the killed run's browser is still running"
+    after = tiny.run(Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic"))
+    assert after.verdict is Verdict.PASS, after.reason
+
+
+def test_the_page_server_serves_its_files_and_nothing_outside_them(tmp_path):
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "a.js").write_text("x")
+    (tmp_path / "secret").write_text("no")
+    with PageServer(trees={"/ort/": tmp_path / "tree"}, blobs={"/input/0": b"\x01\x02"}) as s:
+        assert s.url.startswith("http://127.0.0.1:")
+        assert s.resolve("/ort/a.js") == (tmp_path / "tree" / "a.js").resolve()
+        assert s.resolve("/ort/../secret") is None and s.resolve("/ort/%2e%2e/secret") is None
+        assert s.resolve("/input/0") == b"\x01\x02" and s.resolve("/nothing") is None
+
+
+@pytest.mark.slow
+def test_a_90_mb_model_loads_from_the_server_in_both_providers(tmp_path, browser_runtime):
+    """The size of Kokoro's float32 ONNX: served from its file, fetched by the page, never inlined."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal((2400, 2400), dtype=np.float32) / 50 for _ in range(4)]  # 4 x 23 MB
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"], [f"h{i + 1}"]) for i in range(4)]
+    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2400])],
+                              [helper.make_tensor_value_info("h4", TensorProto.FLOAT, [1, 2400])],
+                              [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    art = tmp_path / "art"
+    art.mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
+              str(art / "model.onnx"))
+    assert (art / "model.onnx").stat().st_size > 90e6
+    (art / "io.json").write_text(json.dumps({"inputs": ["x"]}))
+    x = torch.from_numpy(rng.standard_normal((1, 2400), dtype=np.float32))
+    torch.save([x], tmp_path / "inputs.pt")
+    expected = x.double().numpy()
+    for w in weights:
+        expected = expected @ w.astype(np.float64)
+    for name in ("ort-web-wasm", "ort-web-webgpu"):
+        ok, why = get_backend(name).runnable()
+        if not ok:
+            continue
+        r = run_job("harness.backends:run_artifact_job", dict(
+            backend=name, artifact_path=str(art / "model.onnx"), inputs_path=str(tmp_path / "inputs.pt"),
+            outputs_path=str(tmp_path / f"{name}.pt")), tmp_path / name, 300)
+        assert r.ok, f"{name}: {r.error}\n{r.log_tail}"
+        out = torch.load(tmp_path / f"{name}.pt", weights_only=True)[0].double().numpy()
+        assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 1e-5, name
+
+
+def test_without_onnxruntime_web_or_chromium_the_backends_say_why(tmp_path, monkeypatch):
+    from harness.backends import onnxruntime_web
+
+    monkeypatch.setenv("KOKORO_PARITY_WEB_DIR", str(tmp_path))  # a web/ where npm ci never ran
+    for name in ("ort-web-wasm", "ort-web-webgpu"):
+        ok, why = get_backend(name).available()
+        if "package(s) not installed" in why:
+            continue  # (the extra itself missing says so first)
+        assert not ok and why == f"onnxruntime-web not installed in {tmp_path}/node_modules (npm ci --prefix web)"
+    monkeypatch.setattr(onnxruntime_web, "CHROMIUM", str(tmp_path / "no-chromium"))
+    ok, why = get_backend("ort-web-wasm").available()
+    assert not ok and ("not installed (apt-get install chromium)" in why or "package(s) not installed" in why)

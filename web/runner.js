@@ -1,0 +1,95 @@
+// One ONNX run in onnxruntime-web, driven by harness/backends/onnxruntime_web.py through Playwright.
+// Everything comes from the loopback server that served this page: onnxruntime-web's files
+// (/ort/), the model (/model.onnx) and each input's raw bytes (/input/N); each output's raw bytes
+// are posted back to /output/N. Only names, dtypes and shapes cross the page boundary as JSON.
+
+const ARRAYS = {
+  float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array,
+  int8: Int8Array, uint8: Uint8Array, bool: Uint8Array, float16: Uint16Array,
+};
+
+// What the browser offers: the adapter onnxruntime-web's WebGPU provider would get by default.
+async function adapterInfo() {
+  if (!navigator.gpu) return { error: "navigator.gpu is undefined (WebGPU not exposed by this browser)" };
+  const adapter = await navigator.gpu.requestAdapter();
+  if (!adapter) return { error: "navigator.gpu.requestAdapter() returned null (no WebGPU adapter)" };
+  const info = adapter.info || {};
+  const limits = {};
+  for (const k of ["maxBufferSize", "maxStorageBufferBindingSize", "maxComputeWorkgroupStorageSize",
+                   "maxComputeInvocationsPerWorkgroup", "maxComputeWorkgroupSizeX",
+                   "maxComputeWorkgroupsPerDimension", "maxStorageBuffersPerShaderStage"]) {
+    limits[k] = adapter.limits[k];
+  }
+  return {
+    vendor: info.vendor, architecture: info.architecture, device: info.device,
+    description: info.description, features: [...adapter.features].sort(),
+    shader_f16: adapter.features.has("shader-f16"), limits,
+  };
+}
+
+async function bytesOf(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`GET ${url}: HTTP ${response.status}`);
+  return response.arrayBuffer();
+}
+
+function tensorOf(ort, spec, buffer) {
+  const Array_ = ARRAYS[spec.dtype];
+  if (!Array_) throw new Error(`input ${spec.name}: dtype ${spec.dtype} has no onnxruntime-web tensor type`);
+  return new ort.Tensor(spec.dtype, new Array_(buffer), spec.dims);
+}
+
+async function postOutput(i, tensor) {
+  const data = tensor.data;  // a typed array on the CPU (outputs are downloaded by default)
+  const body = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
+  const response = await fetch(`/output/${i}`, { method: "POST", body });
+  if (!response.ok) throw new Error(`POST /output/${i}: HTTP ${response.status}`);
+}
+
+// A lost WebGPU device ends the run with the browser's reason instead of a hang.
+function deviceLost(ort) {
+  const device = ort.env.webgpu && ort.env.webgpu.device;
+  if (!device || !device.lost) return new Promise(() => {});
+  return device.lost.then((info) => {
+    throw new Error(`WebGPU device lost (${info.reason}): ${info.message}`);
+  });
+}
+
+window.kokoroRun = async function kokoroRun(cfg) {
+  const clock = () => performance.now() / 1000;
+  const times = {};
+  let t = clock();
+  const ort = await import(`/ort/${cfg.bundle}`);
+  ort.env.wasm.wasmPaths = "/ort/";
+  ort.env.wasm.numThreads = cfg.threads;
+  ort.env.logLevel = cfg.verbose ? "verbose" : "warning";
+  const adapter = cfg.ep === "webgpu" ? await adapterInfo() : null;
+  if (adapter && adapter.error) throw new Error(adapter.error);
+  const model = new Uint8Array(await bytesOf("/model.onnx"));
+  times.fetch_s = clock() - t;
+  t = clock();
+  const session = await ort.InferenceSession.create(model, {
+    executionProviders: [cfg.ep],
+    graphOptimizationLevel: "all",
+    logSeverityLevel: cfg.verbose ? 0 : 2,
+    logVerbosityLevel: 0,
+  });
+  times.session_s = clock() - t;
+  const feeds = {};
+  for (const [i, spec] of cfg.inputs.entries()) {
+    feeds[spec.name] = tensorOf(ort, spec, await bytesOf(`/input/${i}`));
+  }
+  t = clock();
+  const results = await Promise.race([session.run(feeds), deviceLost(ort)]);
+  times.run_s = clock() - t;
+  const outputs = [];
+  for (const [i, name] of session.outputNames.entries()) {
+    const tensor = results[name];
+    await postOutput(i, tensor);
+    outputs.push({ name, dtype: tensor.type, dims: Array.from(tensor.dims) });
+  }
+  await session.release();
+  return { outputs, adapter, times, input_names: session.inputNames };
+};
+window.kokoroAdapter = adapterInfo;
+window.kokoroReady = true;
