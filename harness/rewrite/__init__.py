@@ -41,14 +41,13 @@ def load_adapter(spec: str) -> Adapter:
 def rewrite_items(session, specs: list[str]) -> list[RewriteItem]:
     """One item per (case, rewrite); an adapter that does not load or maps a module Kokoro does
     not have gives items that report its error instead of stopping the run."""
-    from ..port.tensors import module_paths
-
+    paths = tuple(p for p, _ in session.model.kmodel.named_modules() if p)
     items = []
     for spec in specs:
         adapter, mapped, error = None, (), ""
         try:
             adapter = load_adapter(spec)
-            mapped = tuple(resolve_modules(adapter, module_paths(), spec))
+            mapped = tuple(resolve_modules(adapter, paths, spec))
         except RewriteError as e:
             error = str(e)
         items += [RewriteItem(c, spec, adapter, mapped, error) for c in session.cases]

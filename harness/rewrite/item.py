@@ -13,6 +13,7 @@ audio against the spread the reference's audio has over noise seeds.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,14 +108,17 @@ def judge_modules(item: RewriteItem, model, kmodel, traces, tol, rec) -> list[tu
         args = tuple(v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in io.args)
         kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                   for k, v in io.kwargs.items()}
+        start = time.perf_counter()
         try:
             with item.adapter.noise({k: v.float() for k, v in io.noise.items()}):
                 value = item.adapter.run(model, io.path, conventions[io.path], args, kwargs)
+            seconds = time.perf_counter() - start
             m = judge_local(value, io.out32, io.out64, tol)
         except Exception as e:  # noqa: BLE001 - the rewrite raised on this module: the row says so
+            seconds = time.perf_counter() - start
             m = {"ok": False, "why": f"the rewrite raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                  "kind": "run error"}
-        rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32",
+        rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32", "run_s": seconds,
                            "outputs": {"out": {"local": m, "chained": {}}}, "local_ok": m["ok"], "chained_ok": True})
         if not m["ok"]:
             defects.append((io.path, m))
