@@ -93,6 +93,9 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
                          "beside it)", "append", metavar="[STEP=]PATH"),
     Option("--port", "judge a port file's chain of artifacts stage by stage (docs/own-port.md; repeatable)",
            "append", metavar="PORT.YAML"),
+    Option("--rewrite", "judge a rewrite of Kokoro in another framework module by module: a built-in adapter "
+                        "(`mlx-audio`) or your adapter's Python file (docs/rewrites.md; repeatable; without "
+                        "--backend only these items run)", "append", metavar="NAME|ADAPTER.py"),
     Option("--noise-k", "reference runs with different noise seeds for the noise band (default 16)", type=int),
     Option("--bisect", "after a failing item, localize where it diverges (module and op on a backend, the "
                        "stage and node inside an ONNX, the operator inside a .pte) and write a standalone repro "
@@ -108,7 +111,7 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
 # port file (`check`, `port`), one item bisected (`bisect`).
 RUN = ("backend", "case", "cases_dir", "mode", "weights", "report_dir", "profile", "with_patch", "no_workaround",
        "time_limit", "memory_limit", "target", "targets_file", "reuse_runs", "reuse_only", "artifact", "etrecord",
-       "port", "noise_k", "bisect", "bisect_depth", "bisect_band_from")
+       "port", "rewrite", "noise_k", "bisect", "bisect_depth", "bisect_band_from")
 PORTS = ("case", "cases_dir", "weights", "report_dir", "profile", "noise_k", "time_limit", "bisect")
 BISECT = ("weights", "report_dir", "profile", "with_patch", "no_workaround", "time_limit", "bisect_depth",
           "bisect_band_from")
@@ -148,6 +151,7 @@ class RunConfig:
     modes: tuple[str, ...] = ("dynamic", "static")
     artifacts: tuple[str, ...] = ()  # STEP=PATH and e2e=PATH
     ports: tuple[str, ...] = ()  # port files
+    rewrites: tuple[str, ...] = ()  # rewrite adapters (harness.rewrite)
 
     @classmethod
     def from_options(cls, get: Callable[[str], Any], extra_cases_dirs=()) -> "RunConfig":
@@ -176,4 +180,5 @@ class RunConfig:
                    noise_k=value("noise_k"), localize=localize,
                    backends=many("backend"), steps=many("step"),
                    modes=("dynamic", "static") if value("mode") == "both" else (value("mode"),),
-                   artifacts=tuple(value("artifact")), ports=tuple(value("port")))
+                   artifacts=tuple(value("artifact")), ports=tuple(value("port")),
+                   rewrites=tuple(value("rewrite")))

@@ -1,6 +1,7 @@
 """One path for every kind of item, from either face: run it, and with `--bisect` localize it.
 
-A backend step (`runner.Item`), a user's artifact (`artifacts.ArtifactItem`) and a port or
+A backend step (`runner.Item`), a user's artifact (`artifacts.ArtifactItem`), a rewrite
+(`rewrite.RewriteItem`) and a port or
 whole-model file (`port.chain.PortItem`) each know how they run (`run`), whether a record of theirs
 can be localized (`localizable`) and how (`localize`). The faces build items and call `check`:
 neither tests what kind an item is, so `pytest --bisect` and `kokoro-parity run --bisect` localize
@@ -13,6 +14,7 @@ from typing import Callable, Protocol
 from .artifacts import artifact_items
 from .options import Localize, RunConfig
 from .port.chain import port_items
+from .rewrite import rewrite_items
 
 
 class CheckedItem(Protocol):
@@ -37,10 +39,12 @@ def check(session, item: CheckedItem, localize: Localize | None = None, log: Cal
 def items(session, config: RunConfig, backends: list[str]) -> list:
     """The items a run asks for: every (case, step, backend, mode) of the chosen backends, then the
     user's artifacts (`--artifact STEP=PATH`), whole-model files (`--artifact e2e=PATH`) and port
-    files (`--port`). With artifacts or ports and no `--backend`, only the user's items run."""
+    files (`--port`), then the rewrites (`--rewrite`). With artifacts, ports or rewrites and no
+    `--backend`, only the user's items run."""
     specs = [s for s in config.artifacts if not s.startswith("e2e=")]
     ports = [s for s in config.artifacts if s.startswith("e2e=")] + list(config.ports)
-    only_users = (specs or ports) and not config.backends
+    only_users = (specs or ports or config.rewrites) and not config.backends
     found = [] if only_users else session.items(backends, list(config.steps) if config.steps else None,
                                                 config.modes)
-    return found + artifact_items(session, specs, config.modes) + port_items(session, ports, config.modes)
+    return (found + artifact_items(session, specs, config.modes) + port_items(session, ports, config.modes)
+            + rewrite_items(session, list(config.rewrites)))

@@ -225,7 +225,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         specs = config.getoption("--artifact")
         ports = [s for s in specs if s.startswith("e2e=")] + config.getoption("--port")
         specs = [s for s in specs if not s.startswith("e2e=")]
-        only_users = (specs or ports) and not config.getoption("--backend")
+        rewrites = config.getoption("--rewrite")
+        only_users = (specs or ports or rewrites) and not config.getoption("--backend")
         items = [] if only_users else _session(config).items(_backends(config), modes=modes)
         if specs:
             try:
@@ -234,6 +235,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 raise pytest.UsageError(str(e)) from None
         if ports:
             items += port_items(_session(config), ports, modes)
+        if rewrites:
+            from .rewrite import rewrite_items
+
+            items += rewrite_items(_session(config), rewrites)
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:
         keys = [(c, m) for c in _session(config).cases for m in modes]

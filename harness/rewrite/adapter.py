@@ -1,0 +1,99 @@
+"""The interface a rewrite of Kokoro implements to be judged module by module.
+
+A rewrite (Kokoro written again in another framework: MLX, JAX, ...) has no exported graph to cut:
+the harness can only call its modules. An adapter says, for each Kokoro module path it maps
+(`modules`: a path, or a pattern with `*` for one part of it, -> a calling convention of the adapter's
+own), how to call the rewrite's counterpart on Kokoro's tensors and bring the result back in
+Kokoro's layout (`run`), and how to build the rewrite's model from a given Kokoro checkpoint
+(`load`: through the rewrite's own weight conversion, so a bug there shows). The harness feeds
+each mapped module the float64 reference's captured inputs at its boundary (cast to float32) and
+judges its output against the float64 reference with torch float32's own error as the floor.
+
+A user's adapter is a Python file defining `ADAPTER` (an `Adapter` instance); its `modules` are
+checked against Kokoro's module paths before anything runs (`resolve_modules`).
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+class RewriteError(ValueError):
+    """A rewrite adapter that cannot be used: one message naming the file and the field."""
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One Kokoro module the rewrite maps: its path and the adapter's calling convention for it."""
+
+    path: str
+    convention: str
+
+
+class Adapter:
+    """Subclass it; `modules`, `load` and `run` are what the harness needs.
+
+    - `modules`: {Kokoro module path or pattern: convention}; the conventions are the adapter's
+      own names (the mlx-audio adapter's: `call`, `conv`, `weighted_conv`, ...).
+    - `missing()`: why the rewrite cannot run here (its package is absent), or None.
+    - `load(kmodel)`: the rewrite's model holding the weights of kokoro's `KModel` `kmodel`.
+    - `run(model, path, convention, args, kwargs)`: call the counterpart of Kokoro's module
+      `path` on Kokoro's inputs (torch float32 tensors, as Kokoro's forward receives them) and
+      return its (first) output as a torch tensor in Kokoro's layout.
+    - `noise(values)`: a context in which the rewrite draws these numbers instead of its own
+      random ones (`rand_ini`, `sine_noise`, `source_noise`, Kokoro's layout), so that a module
+      holding the vocoder's noise source can be judged sample by sample.
+    - `synthesize(model, phonemes, ref_s, speed)`: the rewrite's own tokens -> audio (its own
+      noise), returning (audio [samples], durations [tokens]) or None when it has no such entry.
+    """
+
+    name: str = "rewrite"
+    modules: dict[str, str] = {}
+
+    def missing(self) -> str | None:
+        return None
+
+    def load(self, kmodel: torch.nn.Module) -> Any:
+        raise NotImplementedError
+
+    def run(self, model: Any, path: str, convention: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def noise(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
+        yield
+
+    def synthesize(self, model: Any, phonemes: str, ref_s: torch.Tensor, speed: float):
+        return None
+
+
+def resolve_modules(adapter: Adapter, paths: tuple[str, ...], source: str) -> list[Mapped]:
+    """The adapter's `modules` expanded over Kokoro's module paths (`paths`, in Kokoro's order):
+    a key that names no module is one RewriteError naming `source`, the field and the nearest
+    valid paths."""
+    if not isinstance(adapter.modules, dict) or not adapter.modules:
+        raise RewriteError(f"{source}: field 'modules': a non-empty dict of Kokoro module path -> convention")
+    found: dict[str, str] = {}
+    for key, convention in adapter.modules.items():
+        hits = [p for p in paths if matches(p, key)]
+        if not hits:
+            near = difflib.get_close_matches(key.replace("*", "0"), paths, n=4, cutoff=0.6)
+            raise RewriteError(f"{source}: field 'modules': Kokoro has no module {key!r}"
+                               + (f"; nearest: {', '.join(near)}" if near else
+                                  "; top-level modules: bert, bert_encoder, predictor, text_encoder, decoder"))
+        for p in hits:
+            found.setdefault(p, convention)
+    return [Mapped(p, found[p]) for p in paths if p in found]
+
+
+def matches(path: str, pattern: str) -> bool:
+    """A module path against a key of `modules`, part by part: `*` stands for one part (an
+    index, a name), never for a subtree, so `decoder.decode.*` is the four blocks, not their
+    convolutions."""
+    parts, want = path.split("."), pattern.split(".")
+    return len(parts) == len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, want))

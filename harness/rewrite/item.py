@@ -1,0 +1,187 @@
+"""A rewrite as an item of the pipeline (`--rewrite NAME|ADAPTER.py`): its mapped modules judged
+locally, one row each, then its own tokens -> audio against the noise band.
+
+Local: each module is fed the float64 reference's inputs at its boundary (cast to float32, in
+the rewrite's layout by the adapter) and its output is judged against the float64 reference with
+torch float32's own error on the same inputs as the floor (harness.rewrite.captures). The rows
+are the port table's (`rec.stages`, printed by `report.port_lines`); the reason names the first
+module, in the order their forward passes end (innermost first), whose local error leaves its
+floor, with the kind of difference (harness.port.differences). Then the rewrite's own pipeline
+(its own noise, its own durations) is judged like a whole-model artifact: durations exactly, the
+audio against the spread the reference's audio has over noise seeds.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..metrics.tensor import compare_to_floor
+from ..port.differences import difference_kind, nonfinite
+from ..port.tensors import reference as reference_tensor
+from ..record import Record, item_id, versions
+from ..verdict import Verdict, band_comparator, comparator
+from .adapter import Adapter, Mapped
+from .captures import module_io, reference_models
+
+
+@dataclass(frozen=True)
+class RewriteItem:
+    """(case, rewrite): id `case-rewrite:<name>-<name>-dynamic`, selectable with -k."""
+
+    case: str
+    spec: str  # `mlx-audio` or an adapter file
+    adapter: Adapter | None = None
+    mapped: tuple[Mapped, ...] = ()
+    error: str = ""  # an adapter that failed validation: the item reports it
+    mode: str = "dynamic"
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name if self.adapter is not None else self.spec
+
+    @property
+    def step(self) -> str:
+        return f"rewrite:{self.name}"
+
+    @property
+    def backend(self) -> str:
+        return self.name
+
+    @property
+    def id(self) -> str:
+        return item_id(self.case, self.step, self.backend, self.mode)
+
+    # harness.pipeline: how this kind of item runs; its module table is its localization
+    def run(self, session):
+        return run_rewrite_item(session, self)
+
+    def localizable(self, record, how) -> bool:
+        return False
+
+    def localize(self, session, record, how, log) -> None:
+        return None
+
+
+def run_rewrite_item(session, item: RewriteItem) -> Record:
+    rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED,
+                 model={"name": session.model.name, "digest": session.model.digest, "source": session.model.source})
+    rec.versions = {**versions(None), **rewrite_versions()}
+    if item.error:
+        rec.verdict, rec.reason = Verdict.RUN_ERROR, item.error
+        return session.finish(rec)
+    missing = item.adapter.missing()
+    if missing:
+        rec.reason = missing
+        return session.finish(rec)
+    try:
+        model = item.adapter.load(session.model.kmodel)
+    except Exception as e:  # noqa: BLE001 - the rewrite's own loader: its error, named
+        rec.verdict, rec.reason = Verdict.RUN_ERROR, f"{item.spec}: loading the checkpoint: {type(e).__name__}: {e}"
+        return session.finish(rec)
+    rec.audit["rewrite"] = {"adapter": item.spec, "modules": {m.path: m.convention for m in item.mapped},
+                            "load_notes": list(getattr(model, "load_notes", []))}
+    tol = session.profile.for_("rewrite", item.backend, item.mode)
+    traces = session.traces(item.case)
+    defects = judge_modules(item, model, session.model.kmodel, traces, tol, rec)
+    failures = [f"{path}: {m['why']}; {m['kind']}" for path, m in defects]
+    failures += judge_pipeline(session, item, model, traces, tol, rec)
+    if failures:
+        first = (f"first module whose local error leaves its floor: {defects[0][0]!r} "
+                 f"({defects[0][1]['kind']}); " if defects else "")
+        rec.verdict, rec.reason = Verdict.FAIL, first + "; ".join(failures)
+    else:
+        rec.verdict, rec.reason = Verdict.PASS, f"{len(rec.stages)} modules within their floor" + \
+            "".join(f"; {k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v)
+    return session.finish(rec)
+
+
+def judge_modules(item: RewriteItem, model, kmodel, traces, tol, rec) -> list[tuple[str, dict]]:
+    """One row per mapped module (`rec.stages`), judged locally; the modules whose error leaves
+    the floor, in the order their forward passes end."""
+    conventions = {m.path: m.convention for m in item.mapped}
+    km32, km64 = reference_models(kmodel)
+    defects = []
+    for io in module_io(km32, km64, traces, list(conventions)):
+        args = tuple(v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in io.args)
+        kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in io.kwargs.items()}
+        start = time.perf_counter()
+        try:
+            with item.adapter.noise({k: v.float() for k, v in io.noise.items()}):
+                value = item.adapter.run(model, io.path, conventions[io.path], args, kwargs)
+            seconds = time.perf_counter() - start
+            m = judge_local(value, io.out32, io.out64, tol)
+        except Exception as e:  # noqa: BLE001 - the rewrite raised on this module: the row says so
+            seconds = time.perf_counter() - start
+            m = {"ok": False, "why": f"the rewrite raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                 "kind": "run error"}
+        rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32", "run_s": seconds,
+                           "outputs": {"out": {"local": m, "chained": {}}}, "local_ok": m["ok"], "chained_ok": True})
+        if not m["ok"]:
+            defects.append((io.path, m))
+    return defects
+
+
+def judge_local(value: torch.Tensor, out32: torch.Tensor, out64: torch.Tensor, tol) -> dict:
+    """A module's output against its float64 reference and its float32 floor; a NaN never passes."""
+    if tuple(value.shape) != tuple(out64.shape):
+        return {"ok": False, "why": f"shape {list(value.shape)} != reference {list(out64.shape)}", "kind": "shape"}
+    m = compare_to_floor(value.double(), out32.double(), out64)
+    m["kind"] = difference_kind(value, out64)
+    bad = nonfinite(value, out64)
+    if bad:
+        m["ok"], m["why"] = False, bad
+    else:
+        m["ok"], m["why"] = comparator(tol)(m)
+    return m
+
+
+def judge_pipeline(session, item: RewriteItem, model, traces, tol, rec) -> list[str]:
+    """The rewrite's own tokens -> audio (its own noise): its durations against the reference's
+    exactly, its audio against the noise band; the failures, as the reason says them."""
+    from ..metrics.audio import audio_metrics
+    from ..port.noise import DIRECTIONS, noise_band, session_k
+
+    case = session.cases[item.case]
+    got = item.adapter.synthesize(model, case.phonemes, reference_tensor("ref_s", traces), case.speed)
+    if got is None:
+        return []
+    audio, durations = got
+    failures = []
+    want = list(traces.pred_dur)
+    differ = sum(a != b for a, b in zip(durations.tolist(), want)) + abs(len(durations) - len(want))
+    rec.durations = {"tokens": len(want), "tokens_differ": differ, "frames": int(durations.sum()),
+                     "frames_reference": int(sum(want))}
+    if differ:
+        failures.append(f"pipeline: {differ} of {len(want)} durations differ ({int(durations.sum())} frames, "
+                        f"the reference {sum(want)})")
+    bad = nonfinite(audio)
+    if bad:
+        return failures + [f"pipeline audio: {bad}"]
+    ref = traces.chain["audio"][0].double().numpy()
+    am = audio_metrics(ref, audio.double().numpy())
+    rec.audio_metrics["audio"] = am
+    band = noise_band(session.model, case, traces, session_k(session))
+    check = band_comparator(tol)
+    for metric, direction in DIRECTIONS.items():
+        ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
+        rec.bands[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok,
+                             "direction": direction, "why": why, "k": band["k"]}
+        if not ok:
+            failures.append(f"pipeline audio: {why}")
+    return failures
+
+
+def rewrite_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("mlx", "mlx-audio"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,211 @@
+"""mlx-audio's Kokoro (`mlx_audio.tts.models.kokoro`, an MLX rewrite) as a rewrite adapter.
+
+mlx-audio keeps Kokoro's module names and, at module boundaries, Kokoro's channels-first layout;
+only its convolutions are channels-last (MLX's `conv1d` takes [batch, length, channels]) and its
+weight-normalized ones take the convolution function as an argument. So most modules are called
+as they are (`call`); a convolution gets its input transposed in and its output transposed back.
+
+Weights: the torch `KModel`'s state dict, named as the official checkpoint names it, goes through
+mlx-audio's own `Model.sanitize` (its transpositions of convolution weights, its LSTM renaming)
+and `load_weights(strict=True)`, as `mlx_audio.utils.load_model` loads a converted checkpoint.
+mlx-audio's InstanceNorm has no affine parameters (Kokoro's has a weight and a bias): those keys
+are dropped when they are the identity (weight 1, bias 0) and reported when they are not.
+Nothing is downloaded: the model is built from the harness model's own config.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .adapter import Adapter
+
+PACKAGES = ("mlx", "mlx_audio")
+INSTALL = "pip install -e '.[mlx]'"
+
+# Kokoro module path (`*`: one part of it) -> how its mlx-audio counterpart is called. Kokoro's
+# LSTMs run on packed sequences: the harness unpacks them (batch 1, exact lengths: the whole
+# sequence), and mlx-audio's LSTM takes the plain one. Not mapped: the dropouts and activations,
+# and the AdaIN's InstanceNorm (mlx-audio's has no affine parameters; its AdaIN1d is judged whole).
+MODULES = {
+    "bert": "bert",
+    "bert.embeddings": "embeddings",
+    "bert.encoder.embedding_hidden_mapping_in": "call",
+    "bert.encoder.albert_layer_groups.0.albert_layers.0.ffn": "call",  # the shared layer's first run
+    "bert.encoder.albert_layer_groups.0.albert_layers.0.activation": "call",
+    "bert.encoder.albert_layer_groups.0.albert_layers.0.ffn_output": "call",
+    "bert.encoder.albert_layer_groups.0.albert_layers.0.full_layer_layer_norm": "call",
+    "bert_encoder": "call",
+    "predictor.text_encoder": "call",
+    "predictor.text_encoder.lstms.[024]": "call",  # LSTM
+    "predictor.text_encoder.lstms.[135]": "call",  # AdaLayerNorm
+    "predictor.lstm": "call",
+    "predictor.duration_proj": "call",
+    "predictor.shared": "call",
+    "predictor.F0.*": "call",
+    "predictor.N.*": "call",
+    "predictor.F0.*.norm[12]": "call",
+    "predictor.N.*.norm[12]": "call",
+    "predictor.F0_proj": "conv",
+    "predictor.N_proj": "conv",
+    "text_encoder": "call",
+    "text_encoder.cnn.*.0": "weighted_conv",
+    "text_encoder.cnn.*.1": "channels_last",  # Kokoro's LayerNorm over channels; mlx.nn.LayerNorm's last axis
+    "text_encoder.lstm": "call",
+    "decoder": "call",
+    "decoder.F0_conv": "weighted_conv",
+    "decoder.N_conv": "weighted_conv",
+    "decoder.asr_res.0": "weighted_conv",
+    "decoder.encode": "call",
+    "decoder.decode.*": "call",
+    "decoder.encode.norm[12]": "call",
+    "decoder.decode.*.norm[12]": "call",
+    "decoder.decode.3.pool": "pool",
+    "decoder.generator": "call",
+    "decoder.generator.m_source": "call",
+    "decoder.generator.noise_convs.*": "conv",
+    "decoder.generator.noise_res.*": "call",
+    "decoder.generator.noise_res.*.adain[12].*": "call",
+    "decoder.generator.ups.*": "weighted_conv_transpose",
+    "decoder.generator.resblocks.*": "call",
+    "decoder.generator.resblocks.*.adain[12].*": "call",
+    "decoder.generator.conv_post": "weighted_conv",
+}
+
+
+class MlxAudio(Adapter):
+    name = "mlx-audio"
+    modules = MODULES
+
+    def missing(self) -> str | None:
+        absent = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
+        return f"{' and '.join(absent)} not installed ({INSTALL})" if absent else None
+
+    def load(self, kmodel: torch.nn.Module):
+        # optional runtime: mlx-audio (the `mlx` extra)
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_audio.tts.models.kokoro.kokoro import Model, ModelConfig
+
+        model = Model(ModelConfig.from_dict({**kmodel_config(kmodel)}))
+        weights = {f"{top}.{k}": mx.array(v.detach().float().numpy())
+                   for top in ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
+                   for k, v in getattr(kmodel, top).state_dict().items()}
+        weights = model.sanitize(weights)
+        wanted = dict(tree_flatten(model.parameters()))
+        dropped = {k: v for k, v in weights.items() if k not in wanted}
+        model.load_weights([(k, v) for k, v in weights.items() if k in wanted], strict=True)
+        mx.eval(model.parameters())
+        model.eval()
+        model.load_notes = dropped_notes(dropped)
+        return model
+
+    def run(self, model, path: str, convention: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        # optional runtime: mlx-audio (the `mlx` extra)
+        import mlx.core as mx
+
+        module = counterpart(model, path)
+        a = [to_mx(v) for v in args]
+        kw = {k: to_mx(v) for k, v in kwargs.items()}
+        if convention == "call":
+            out = module(*a, **kw)
+        elif convention == "bert":  # Kokoro's CustomAlbert returns the last hidden state only
+            out = module(a[0], attention_mask=kw.get("attention_mask", a[1] if len(a) > 1 else None))
+        elif convention == "embeddings":  # position and token type ids: both sides' defaults
+            out = module(a[0] if a else kw["input_ids"])
+        elif convention in ("conv", "channels_last"):  # mlx.nn.Conv1d, mlx.nn.LayerNorm: channels-last
+            out = module(a[0].swapaxes(2, 1)).swapaxes(2, 1)
+        elif convention == "weighted_conv":
+            out = module(a[0].swapaxes(2, 1), mx.conv1d).swapaxes(2, 1)
+        elif convention == "weighted_conv_transpose":
+            out = module(a[0].swapaxes(2, 1), mx.conv_transpose1d).swapaxes(2, 1)
+        elif convention == "pool":  # AdainResBlk1d._residual slices the unpadded transposed conv
+            out = module(a[0].swapaxes(2, 1), mx.conv_transpose1d)[:, 1:, :].swapaxes(2, 1)
+        else:
+            raise ValueError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        mx.eval(first)
+        return torch.from_numpy(np.array(first.astype(mx.float32)))
+
+    @contextlib.contextmanager
+    def noise(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
+        """mlx-audio draws `mx.random.uniform` (SineGen's initial phases, [batch, 9]) and
+        `mx.random.normal` (SineGen's noise [batch, samples, 9], the NSF source's [batch, samples,
+        1]); during this context they return Kokoro's numbers of the same shape."""
+        # optional runtime: mlx-audio (the `mlx` extra)
+        import mlx.core as mx
+
+        by_shape = {tuple(v.shape): mx.array(v.float().numpy()) for v in values.values()}
+        real = mx.random.uniform, mx.random.normal
+
+        def drawn(shape, *_, **kw):
+            key = tuple(kw.get("shape", shape))
+            if key not in by_shape:
+                raise RuntimeError(f"mlx-audio drew random numbers of shape {key}: no Kokoro noise input has it "
+                                   f"({sorted(by_shape)})")
+            return by_shape[key]
+
+        mx.random.uniform = lambda low=0, high=1, shape=(), *a, **kw: drawn(kw.pop("shape", shape), **kw)
+        mx.random.normal = lambda shape=(), *a, **kw: drawn(shape, **kw)
+        try:
+            yield
+        finally:
+            mx.random.uniform, mx.random.normal = real
+
+    def synthesize(self, model, phonemes: str, ref_s: torch.Tensor, speed: float):
+        # optional runtime: mlx-audio (the `mlx` extra)
+        import mlx.core as mx
+
+        out = model(phonemes, mx.array(ref_s.float().numpy()), speed=speed, return_output=True)
+        return (torch.from_numpy(np.array(out.audio.astype(mx.float32))).reshape(-1),
+                torch.from_numpy(np.array(out.pred_dur)).long().reshape(-1))
+
+
+def kmodel_config(kmodel: torch.nn.Module) -> dict:
+    """The config the harness built `kmodel` from (harness.architecture), as mlx-audio's
+    ModelConfig takes it."""
+    from ..architecture import kokoro_config
+
+    return kokoro_config()
+
+
+def counterpart(model, path: str):
+    """mlx-audio's object at a Kokoro module path: attributes, and list items for the indices."""
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() and isinstance(obj, (list, tuple)) else getattr(obj, part)
+    return obj
+
+
+def to_mx(value):
+    """A Kokoro input as mlx-audio takes it: float tensors as float32, integers as int32."""
+    # optional runtime: mlx-audio (the `mlx` extra)
+    import mlx.core as mx
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype == torch.bool:
+        return mx.array(value.numpy())
+    if value.is_floating_point():
+        return mx.array(value.detach().float().numpy())
+    return mx.array(value.numpy().astype(np.int32))
+
+
+def dropped_notes(dropped: dict) -> list[str]:
+    """What the load left out: Kokoro's InstanceNorm affine parameters, which mlx-audio's
+    InstanceNorm does not have; a note for any that is not the identity (the rewrite ignores it)."""
+    notes = []
+    for key, value in sorted(dropped.items()):
+        v = np.array(value)
+        identity = (key.endswith(".norm.weight") and np.all(v == 1)) or (key.endswith(".norm.bias") and np.all(v == 0))
+        if not identity:
+            notes.append(f"{key}: the rewrite has no such parameter and this one is not the identity")
+    if dropped and not notes:
+        notes.append(f"{len(dropped)} InstanceNorm affine parameters dropped (all the identity)")
+    return notes
+
+
+ADAPTER = MlxAudio()

@@ -1,0 +1,129 @@
+"""mlx-audio's MLX Kokoro judged module by module (harness/rewrite) on the seeded random model's
+tiny case: a clean run keeps every mapped module within its floor, a fault injected into the
+rewrite is named at its module with its kind, and a bad adapter is one error naming the file,
+the field and the nearest module paths."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from harness.rewrite import RewriteError, RewriteItem, load_adapter, resolve_modules
+from harness.rewrite.item import run_rewrite_item
+
+from .conftest import tiny_session_at
+
+MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_audio") is not None
+needs_mlx = pytest.mark.skipif(not MLX, reason="mlx-audio not installed (pip install -e '.[mlx]')")
+
+# MLX's CPU convolutions are slow (the whole vocoder: about a minute on the tiny case's 36 frames on
+# a busy 2-core machine), so the clean run leaves out the decoder's own row (the same vocoder as
+# the generator's row, which it keeps) and the fault tests map only the modules they need.
+GENERATOR = "decoder.generator"
+
+
+def test_a_module_path_kokoro_does_not_have_names_the_file_the_field_and_the_nearest(tmp_path, random_model):
+    paths = tuple(p for p, _ in random_model.kmodel.named_modules() if p)
+    bad = tmp_path / "my_adapter.py"
+    bad.write_text("from harness.rewrite.adapter import Adapter\n\n"
+                   "class Mine(Adapter):\n    name = 'mine'\n"
+                   "    modules = {'decoder.generater.m_source': 'call'}\n\nADAPTER = Mine()\n")
+    adapter = load_adapter(str(bad))
+    with pytest.raises(RewriteError) as e:
+        resolve_modules(adapter, paths, str(bad))
+    msg = str(e.value)
+    assert str(bad) in msg and "field 'modules'" in msg and "'decoder.generater.m_source'" in msg
+    assert "decoder.generator.m_source" in msg.split("nearest:")[1]
+    none = tmp_path / "empty.py"
+    none.write_text("x = 1\n")
+    with pytest.raises(RewriteError, match=r"empty\.py: field 'ADAPTER'"):
+        load_adapter(str(none))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    with tiny_session_at(tmp_path_factory.mktemp("rewrite")) as session:
+        yield session
+
+
+def item_for(session, keep=lambda path: path != "decoder", adapter=None) -> RewriteItem:
+    adapter = adapter or load_adapter("mlx-audio")
+    paths = tuple(p for p, _ in session.model.kmodel.named_modules() if p)
+    mapped = tuple(m for m in resolve_modules(adapter, paths, "mlx-audio") if keep(m.path))
+    return RewriteItem("tiny", "mlx-audio", adapter, mapped)
+
+
+@needs_mlx
+@pytest.mark.slow
+def test_every_mapped_module_is_within_its_floor_on_a_clean_run_but_albert_s_gelu(tiny):
+    """mlx-audio 0.6.2's ALBERT uses the exact (erf) GELU where Kokoro's (transformers' AlbertConfig
+    default, `gelu_new`) uses the tanh approximation: its activation and the `bert` around it are
+    the only rows outside their floor, the activation first."""
+    rec = run_rewrite_item(tiny, item_for(tiny))
+    rows = {r["stage"]: r["outputs"]["out"]["local"] for r in rec.stages}
+    assert len(rows) >= 100 and {"bert", "text_encoder", "predictor.F0.1", GENERATOR} <= set(rows)
+    gelu = "bert.encoder.albert_layer_groups.0.albert_layers.0.activation"
+    outside = [p for p, m in rows.items() if not m["ok"]]
+    assert outside == [gelu, "bert"], {p: rows[p]["why"] for p in outside}
+    assert rows[gelu]["kind"].startswith("noise-like") and rows[gelu]["rel_l2"] > 100 * rows[gelu]["floor_rel_l2"]
+    assert all(m["rel_l2"] <= 4 * m["floor_rel_l2"] or m["rel_l2"] <= 1e-5 for p, m in rows.items() if p not in outside)
+    assert rec.reason.startswith(f"first module whose local error leaves its floor: {gelu!r} (noise-like")
+    assert rec.durations["tokens_differ"] == 0  # the rewrite's own pipeline: its durations are the reference's
+    assert all(band["ok"] for band in rec.bands.values()), rec.bands  # and its audio is inside the noise band
+
+
+def modules_only():
+    """The mlx-audio adapter without its tokens -> audio entry: a fault test judges the modules."""
+    from harness.rewrite.mlx_audio import MlxAudio
+
+    class ModulesOnly(MlxAudio):
+        def synthesize(self, *a, **kw):
+            return None
+
+    return ModulesOnly()
+
+
+@needs_mlx
+@pytest.mark.slow
+def test_a_wrong_inverse_stft_normalization_is_named_at_the_generator_as_a_gain(tiny, monkeypatch):
+    from mlx_audio.tts.models.kokoro import istftnet
+
+    real = istftnet.istft
+    monkeypatch.setattr(istftnet, "istft", lambda *a, **kw: real(*a, **{**kw, "normalized": False}))
+    inside = (GENERATOR, f"{GENERATOR}.m_source", f"{GENERATOR}.ups.1", f"{GENERATOR}.conv_post")
+    rec = run_rewrite_item(tiny, item_for(tiny, inside.__contains__, modules_only()))
+    failing = [r["stage"] for r in rec.stages if not r["local_ok"]]
+    assert failing == [GENERATOR] and len(rec.stages) == 4, failing  # the modules inside it are within
+    assert f"first module whose local error leaves its floor: '{GENERATOR}' (constant gain x0.74" in rec.reason
+    assert "-2.50 dB" in rec.reason
+
+
+@needs_mlx
+@pytest.mark.slow
+def test_a_nan_in_one_adain_is_named_at_that_adain(tiny, monkeypatch):
+    import mlx.core as mx
+    from mlx_audio.tts.models.kokoro import istftnet
+
+    from harness.rewrite.mlx_audio import counterpart
+
+    target = "decoder.generator.resblocks.1.adain2.0"
+    adapter = modules_only()
+    real_load, real_call, victim = adapter.load, istftnet.AdaIN1d.__call__, []
+
+    def load(kmodel):
+        model = real_load(kmodel)
+        victim.append(counterpart(model, target))
+        return model
+
+    def poisoned(self, x, s):
+        out = real_call(self, x, s)
+        return out * mx.array(float("nan")) if victim and self is victim[0] else out
+
+    monkeypatch.setattr(adapter, "load", load)
+    monkeypatch.setattr(istftnet.AdaIN1d, "__call__", poisoned)
+    block = "decoder.generator.resblocks.1"
+    rec = run_rewrite_item(tiny, item_for(tiny, lambda p: p == block or p.startswith(block + ".adain"), adapter))
+    failing = [r["stage"] for r in rec.stages if not r["local_ok"]]
+    assert len(rec.stages) == 7 and failing == [target, block], failing  # the other five AdaINs are within
+    assert rec.reason.startswith(f"first module whose local error leaves its floor: {target!r} (NaN"), rec.reason
+    assert rec.verdict.value == "fail"
