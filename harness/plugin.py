@@ -15,13 +15,11 @@ import pytest
 from _pytest.config.findpaths import locate_config
 
 from . import options, pipeline, progress
-from .artifacts import artifact_items
 from .backends import backend_names, get_backend, set_disabled_workarounds
 from .cases import CaseError
 from .golden import GOLDEN_DIR, GoldenError, GoldenStore
 from .plumbing.files import atomic_write_json
 from .plumbing.targets import TargetError, get_target
-from .port.chain import port_items
 from .quiet import quiet_logs
 from .record import Record, read_records
 from .report import item_table, summary_table, verdict_cell
@@ -218,27 +216,14 @@ def _backends(config: pytest.Config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The run's items, made by `pipeline.items` as `kokoro-parity run` makes them."""
     config = metafunc.config
-    mode = config.getoption("--mode")
-    modes = ("dynamic", "static") if mode == "both" else (mode,)
+    modes = run_config(config).modes
     if "parity_item" in metafunc.fixturenames:
-        specs = config.getoption("--artifact")
-        ports = [s for s in specs if s.startswith("e2e=")] + config.getoption("--port")
-        specs = [s for s in specs if not s.startswith("e2e=")]
-        rewrites = config.getoption("--rewrite")
-        only_users = (specs or ports or rewrites) and not config.getoption("--backend")
-        items = [] if only_users else _session(config).items(_backends(config), modes=modes)
-        if specs:
-            try:
-                items += artifact_items(_session(config), specs, modes)
-            except (ValueError, FileNotFoundError) as e:
-                raise pytest.UsageError(str(e)) from None
-        if ports:
-            items += port_items(_session(config), ports, modes)
-        if rewrites:
-            from .rewrite import rewrite_items
-
-            items += rewrite_items(_session(config), rewrites)
+        try:
+            items = pipeline.items(_session(config), run_config(config), _backends(config))
+        except (ValueError, FileNotFoundError) as e:
+            raise pytest.UsageError(str(e)) from None
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:
         keys = [(c, m) for c in _session(config).cases for m in modes]
