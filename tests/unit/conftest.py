@@ -23,8 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # One directory per test run for the reference kinds of the cache: computing the tiny case's
 # references takes minutes on a busy 2-core machine, and a dozen modules used to each compute them
 # into their own cache. xdist's workers inherit it from the controller (which made it and removes it).
+# The same directory holds the run's shared programs and artifacts (`shared_references(work=True)`).
 REFERENCES_ENV = "KOKORO_PARITY_TEST_REFERENCES"
 REFERENCE_KINDS = ("weights", "traces", "variants", "synthesizer")
+WORK_KINDS = ("programs", "artifacts")
 _MADE_HERE = []
 
 
@@ -40,14 +42,19 @@ def pytest_unconfigure(config):
         os.environ.pop(REFERENCES_ENV, None)
 
 
-def shared_references(cache) -> Path:
+def shared_references(cache, work: bool = False) -> Path:
     """A fresh cache directory whose references (rebuilt weights, traces, patched and padded
     references: content-addressed, built under the cache's file locks) are the test run's shared
-    ones, so that its programs, artifacts and runs are its own while no reference is computed twice."""
+    ones, so that its programs, artifacts and runs are its own while no reference is computed twice.
+
+    With `work`, its exported programs and compiled artifacts are the run's shared ones too (keyed by
+    their content and the backend's version, a test backend's injected fault included): for tests
+    that check what an item's program does, not that it was made. A test that counts exports,
+    compiles or cache misses, lists or deletes cache entries, keeps its own (the default)."""
     cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
     shared = os.environ.get(REFERENCES_ENV)
-    for kind in REFERENCE_KINDS if shared else ():
+    for kind in (*REFERENCE_KINDS, *(WORK_KINDS if work else ())) if shared else ():
         (Path(shared) / kind).mkdir(parents=True, exist_ok=True)
         (cache / kind).symlink_to(Path(shared) / kind, target_is_directory=True)
     return cache
@@ -96,17 +103,17 @@ def child_pytest_env(**extra: str) -> dict:
 
 
 @contextlib.contextmanager
-def tiny_session_at(root, **limits):
+def tiny_session_at(root, work: bool = False, **limits):
     """A Session on the seeded random model and the short `tiny` case (speed 4: few frames), with
-    its own case directory and cache under `root` (the references shared): what the end-to-end
-    tests of several files run."""
+    its own case directory and cache under `root` (the references shared; the programs and
+    artifacts too with `work`, see `shared_references`): what the end-to-end tests of several files run."""
     from harness.cases import load_cases, write_case
     from harness.plumbing.cache import CACHE_ENV
     from harness.runner import Limits, Session
 
     write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(shared_references(root / "cache")))
+        mp.setenv(CACHE_ENV, str(shared_references(root / "cache", work)))
         s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(**limits))
         s._cases = {c.id: c for c in load_cases(root / "cases")}
         yield s
