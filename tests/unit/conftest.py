@@ -73,11 +73,38 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: (-slow[it.path], first[it.path]))
 
 
+TEST_SEED = 0  # the seed of every Session of the tests (`--weights=random:0`)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_test_model_per_process():
+    """`load_random(TEST_SEED)` built once per test process: about thirty Sessions of the tests load
+    `random:0` in this process, and building the 82M random parameters takes seconds each on a busy
+    2-core machine. The harness only ever patches a deep copy of a loaded model, so one instance
+    serves them all, as the `random_model` fixture always has. Other seeds are built on each call
+    (test_model checks that two loads of one seed are equal)."""
+    from harness import model
+
+    build = model.load_random
+    built = {}
+
+    def load_random(seed: int = 0):
+        if seed != TEST_SEED:
+            return build(seed)
+        if seed not in built:
+            built[seed] = build(seed)
+        return built[seed]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "load_random", load_random)
+        yield
+
+
 @pytest.fixture(scope="session")
 def random_model():
     from harness.model import load_random
 
-    return load_random(0)
+    return load_random(TEST_SEED)
 
 
 @pytest.fixture(scope="session")
