@@ -78,8 +78,8 @@ TEST_SEED = 0  # the seed of every Session of the tests (`--weights=random:0`)
 
 @pytest.fixture(scope="session", autouse=True)
 def one_test_model_per_process():
-    """`load_random(TEST_SEED)` built once per test process: about thirty Sessions of the tests load
-    `random:0` in this process, and building the 82M random parameters takes seconds each on a busy
+    """`load_random(TEST_SEED)` built once per test process: most of the tests' Sessions load
+    `random:0` in this process, and building its 82M random parameters takes seconds each on a busy
     2-core machine. The harness only ever patches a deep copy of a loaded model, so one instance
     serves them all, as the `random_model` fixture always has. Other seeds are built on each call
     (test_model checks that two loads of one seed are equal)."""
@@ -130,17 +130,17 @@ def child_pytest_env(**extra: str) -> dict:
 
 
 @contextlib.contextmanager
-def tiny_session_at(root, work: bool = False, **limits):
+def tiny_session_at(root, **limits):
     """A Session on the seeded random model and the short `tiny` case (speed 4: few frames), with
-    its own case directory and cache under `root` (the references shared; the programs and
-    artifacts too with `work`, see `shared_references`): what the end-to-end tests of several files run."""
+    its own case directory and cache under `root` (the references shared): what the end-to-end
+    tests of several files run."""
     from harness.cases import load_cases, write_case
     from harness.plumbing.cache import CACHE_ENV
     from harness.runner import Limits, Session
 
     write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(shared_references(root / "cache", work)))
+        mp.setenv(CACHE_ENV, str(shared_references(root / "cache")))
         s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(**limits))
         s._cases = {c.id: c for c in load_cases(root / "cases")}
         yield s
