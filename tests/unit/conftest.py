@@ -23,8 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # One directory per test run for the reference kinds of the cache: computing the tiny case's
 # references takes minutes on a busy 2-core machine, and a dozen modules used to each compute them
 # into their own cache. xdist's workers inherit it from the controller (which made it and removes it).
+# The same directory holds the run's shared programs and artifacts (`shared_references(work=True)`).
 REFERENCES_ENV = "KOKORO_PARITY_TEST_REFERENCES"
 REFERENCE_KINDS = ("weights", "traces", "variants", "synthesizer")
+WORK_KINDS = ("programs", "artifacts")
 _MADE_HERE = []
 
 
@@ -40,14 +42,19 @@ def pytest_unconfigure(config):
         os.environ.pop(REFERENCES_ENV, None)
 
 
-def shared_references(cache) -> Path:
+def shared_references(cache, work: bool = False) -> Path:
     """A fresh cache directory whose references (rebuilt weights, traces, patched and padded
     references: content-addressed, built under the cache's file locks) are the test run's shared
-    ones, so that its programs, artifacts and runs are its own while no reference is computed twice."""
+    ones, so that its programs, artifacts and runs are its own while no reference is computed twice.
+
+    With `work`, its exported programs and compiled artifacts are the run's shared ones too (keyed by
+    their content and the backend's version, a test backend's injected fault included): for tests
+    that check what an item's program does, not that it was made. A test that counts exports,
+    compiles or cache misses, lists or deletes cache entries, keeps its own (the default)."""
     cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
     shared = os.environ.get(REFERENCES_ENV)
-    for kind in REFERENCE_KINDS if shared else ():
+    for kind in (*REFERENCE_KINDS, *(WORK_KINDS if work else ())) if shared else ():
         (Path(shared) / kind).mkdir(parents=True, exist_ok=True)
         (cache / kind).symlink_to(Path(shared) / kind, target_is_directory=True)
     return cache
@@ -66,11 +73,38 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: (-slow[it.path], first[it.path]))
 
 
+TEST_SEED = 0  # the seed of every Session of the tests (`--weights=random:0`)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_test_model_per_process():
+    """`load_random(TEST_SEED)` built once per test process: most of the tests' Sessions load
+    `random:0` in this process, and building its 82M random parameters takes seconds each on a busy
+    2-core machine. The harness only ever patches a deep copy of a loaded model, so one instance
+    serves them all, as the `random_model` fixture always has. Other seeds are built on each call
+    (test_model checks that two loads of one seed are equal)."""
+    from harness import model
+
+    build = model.load_random
+    built = {}
+
+    def load_random(seed: int = 0):
+        if seed != TEST_SEED:
+            return build(seed)
+        if seed not in built:
+            built[seed] = build(seed)
+        return built[seed]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "load_random", load_random)
+        yield
+
+
 @pytest.fixture(scope="session")
 def random_model():
     from harness.model import load_random
 
-    return load_random(0)
+    return load_random(TEST_SEED)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from harness.backends import backend_names, compile_job, get_backend
 from harness.plumbing.jobs import run_job
+from tests.unit.conftest import shared_references
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = Path(__file__).resolve().parent / "example_backend"
@@ -737,20 +738,29 @@ def test_failing_items_show_their_audit():
 
 
 @pytest.mark.slow
-def test_programs_hold_only_the_parts_their_step_reads(tiny_session):
+def test_programs_hold_only_the_parts_their_step_reads(tmp_path):
     """An e2e item on the control backend exports both stages without Kokoro's unused parts (each
-    program used to carry all 82M parameters) and still passes."""
+    program used to carry all 82M parameters) and still passes. Its programs are the test run's
+    shared ones (the merge test runs the same item), so every program of the two stages there,
+    this item's among them, is checked."""
     import json
 
-    from harness.plumbing.cache import cache_dir
-    from harness.runner import Item
+    from harness.cases import load_cases, write_case
+    from harness.plumbing.cache import CACHE_ENV, cache_dir
+    from harness.runner import Item, Session
     from harness.verdict import Verdict
 
-    rec = tiny_session.run(Item("tiny", "e2e", "eager", "dynamic"))
-    assert rec.verdict is Verdict.PASS, rec.reason
-    dropped = {}
-    for result in (cache_dir() / "programs").glob("*/result.json"):
-        job = json.loads((result.parent / "job.json").read_text())["kwargs"]
-        dropped[job["step"]] = sorted(json.loads(result.read_text())["value"]["dropped"])
-    assert dropped["duration_stage"] == ["decoder", "text_encoder"]
-    assert dropped["synthesizer"] == ["bert", "bert_encoder"]
+    write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(shared_references(tmp_path / "cache", work=True)))
+        session = Session(weights="random:0", case_ids=["tiny"], report_dir=tmp_path / "reports")
+        session._cases = {c.id: c for c in load_cases(tmp_path / "cases")}
+        rec = session.run(Item("tiny", "e2e", "eager", "dynamic"))
+        assert rec.verdict is Verdict.PASS, rec.reason
+        dropped = {}
+        for result in (cache_dir() / "programs").glob("*/result.json"):
+            job = json.loads((result.parent / "job.json").read_text())["kwargs"]
+            parts = json.loads(result.read_text())["value"]["dropped"]
+            dropped.setdefault(job["step"], set()).add(tuple(sorted(parts)))
+    assert dropped["duration_stage"] == {("decoder", "text_encoder")}
+    assert dropped["synthesizer"] == {("bert", "bert_encoder")}

@@ -236,7 +236,8 @@ def test_make_nightly_twice_gives_two_entries_and_a_dashboard_with_both(tmp_path
 
     root = Path(__file__).resolve().parents[2]
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    env = child_pytest_env(KOKORO_PARITY_CASES=str(tmp_path / "cases"), KOKORO_PARITY_CACHE=str(shared_references(tmp_path / "cache")))
+    cache = shared_references(tmp_path / "cache", work=True)  # bert_encoder's program: as test_merge's
+    env = child_pytest_env(KOKORO_PARITY_CASES=str(tmp_path / "cases"), KOKORO_PARITY_CACHE=str(cache))
     cmd = [sys.executable, "-m", "harness.cli", "nightly", "--weights", "random:0", "--backend", "eager",
            "--step", "bert_encoder", "--case", "tiny", "--mode", "dynamic", "--report-dir", str(tmp_path / "reports"),
            "--dashboard", str(tmp_path / "dashboard"), "--no-upstream"]  # the bundles: tests/unit/test_upstream.py

@@ -190,7 +190,7 @@ def test_merged_shards_of_real_runs_give_a_complete_dashboard(tmp_path, monkeypa
     from .faulty_backend import FAULT_ENV
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache")))
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache", work=True)))
     monkeypatch.setenv("KOKORO_PARITY_EXTRA_BACKENDS", "faulty-eager=tests.unit.faulty_backend:FaultyEager")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv(FAULT_ENV, "op=aten.linear.default,kind=scale,factor=1.5")

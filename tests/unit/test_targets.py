@@ -255,7 +255,7 @@ def tiny(lab, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-remote")
     write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(shared_references(root / "cache")))
+        mp.setenv(CACHE_ENV, str(shared_references(root / "cache", work=True)))  # bert_encoder's: as test_merge's
         s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", targets_file=str(lab.file))
         s._cases = {c.id: c for c in load_cases(root / "cases")}
         yield s
