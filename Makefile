@@ -80,9 +80,10 @@ test: install
 
 # Tests that run the real default model end to end for many minutes each (not in `make test`/CI):
 # the packaged int8 whole-model ONNX judged and localized on en_short and ja, and the plugin on the
-# default model's decoder on XNNPACK (CI runs its random-weight twin; docs/design.md lists the pairs).
+# default model's decoder on XNNPACK (CI runs its random-weight twin), and every module of the MLX rewrite
+# on a clean run (CI runs its two fault tests; docs/design.md lists the pairs).
 heavy-tests: install
-	KOKORO_PARITY_HEAVY_TESTS=1 $(BIN)/pytest tests/unit -m slow -k "packaged_int8 or on_the_default_model" $(ARGS)
+	KOKORO_PARITY_HEAVY_TESTS=1 $(BIN)/pytest tests/unit -m slow -k "packaged_int8 or on_the_default_model or on_a_clean_run" $(ARGS)
 
 clean-cache: install
 	$(BIN)/kokoro-parity cache clear
