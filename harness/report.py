@@ -88,7 +88,9 @@ def port_lines(rec: Record) -> list[str]:
     lines = []
     if rec.stages:
         rows, defects = [], []
-        inside = (rec.bisect or {}).get("first_stage") if len(rec.stages) == 1 else None
+        b = rec.bisect or {}
+        inside = (", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
+                  if b.get("defects") and len(b["defects"]) > 1 else b.get("first_stage")) if len(rec.stages) == 1 else None
         for row in rec.stages:
             bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
             stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
