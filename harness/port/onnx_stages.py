@@ -520,18 +520,23 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
 
 
 def without_own_error(row: dict, entry: dict, r32: torch.Tensor) -> np.ndarray:
-    """The stage's chained output with its own error taken out, in the reference's layout: minus
-    its local error (`chained - (local - reference)`, to first order the stage without its defect
-    on what its own upstream gave it; the reference's value itself would also take out every
-    defect before it). A stage judged by its envelope (it draws its own noise) is rescaled frame by
-    frame by the reference's envelope over its local one instead."""
+    """The stage's chained output with its own error taken out, in the reference's layout, as its
+    local error (fed the reference's inputs) says it is made: a constant gain (a sign flip
+    included) is divided out; a stage judged by its envelope (it draws its own noise) is rescaled
+    frame by frame by the reference's envelope over its local one; any other error is subtracted
+    (`chained - (local - reference)`, to first order the stage without its defect on what its own
+    upstream gave it). Never the reference's value itself: that would also take out every defect
+    before the stage."""
     chained = torch.as_tensor(row["chained"], dtype=torch.float64).reshape(-1)
     local = torch.as_tensor(row["local"], dtype=torch.float64).reshape(-1)
     want = r32.double().reshape(-1)
+    gain = float(local @ want) / max(float(want @ want), 1e-300)
     if entry["local"].get("judged_by") == "envelope":
         scale = envelope(want) / envelope(local).clamp_min(1e-30)
         frame = max(1, math.ceil(chained.numel() / scale.numel()))
         fixed = chained * scale.repeat_interleave(frame)[:chained.numel()]
+    elif gain != 0 and float((local - gain * want).pow(2).sum()) < 0.05 * float((local - want).pow(2).sum()):
+        fixed = chained / gain  # the same rule as differences.difference_kind's "constant gain"
     else:
         fixed = chained - (local - want)
     return fixed.reshape(r32.shape).numpy()
