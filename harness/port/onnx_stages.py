@@ -28,7 +28,7 @@ import torch
 from ..model import SAMPLES_PER_FRAME
 from .differences import nonfinite
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
-                         marked_copy, node_module, run_onnx)
+                         marked_copy, node_module, run_onnx, seeded_copy)
 
 # (module path, what it is). Deterministic unless the artifact draws its own noise from
 # decoder.generator.m_source on (then the audio band judges the end).
@@ -128,6 +128,8 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     dur = durations_tensor(model)
     float_boundaries(model, groups)
     candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])] + ([dur] if dur else [])
+    if draws_noise(model):  # its random ops seeded: every run here (marked, cut, fed) draws the same numbers
+        artifact = str(seeded_copy(Path(artifact), out_dir / "seeded.onnx"))
     marked = marked_copy(Path(artifact), out_dir / "marked.onnx", candidates)
     feed = ref["feed"]
     values = run_onnx(marked, feed)
@@ -229,8 +231,6 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
     (`fp32_derived`: the harmonic source's upsampled F0 and voiced masks); one value may feed
     several inputs (the same F0 before and after a transpose). Integer inputs (shapes, lengths)
     are the artifact's own values."""
-    import numpy as np
-
     options = [(f"reference input {i}", a) for i, a in enumerate(ref["fp32_in"].get(path, []))]
     options += list(ref.get("fp32_derived", {}).get(path, []))
     feed, fed = {}, {}
@@ -266,7 +266,6 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
 
 def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path) -> dict:
     """The module's subgraph (inputs `feed`, output `tensor`) cut out of the artifact and run."""
-    import numpy as np
     import onnx
 
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
@@ -356,8 +355,9 @@ def source_inputs(km, seen: dict) -> list[tuple[str, torch.Tensor]]:
     """What an export may feed the harmonic source in place of its own argument (the upsampled F0,
     transposed), computed from the reference's F0 curve with Kokoro's own code: the curve itself,
     the generator's upsampling of it (`f0_upsamp`), and SineGen's voiced mask (`_f02uv`) of each.
-    The packaged int8 export computes the mask outside the source's scope, before its upsampling
-    or after."""
+    An export may compute the mask outside the source's scope, before the upsampling or after, or
+    hand the source the upsampled F0 in another layout (the packaged int8 file: before and after
+    its transpose)."""
     f0 = seen.get("predictor.F0_proj")
     if f0 is None:
         return []
@@ -577,7 +577,7 @@ def effects_job(out_dir: str) -> dict:
     out = Path(out_dir)
     run = torch.load(out / "run.pt", weights_only=False)
     given = torch.load(out / "given.pt", weights_only=False)
-    seeded = seeded_copy(Path(run["source"]), out / "seeded.onnx")
+    seeded = seeded_copy(Path(run["source"]), out / "effects-seeded.onnx")
     pairs, errors = {}, {}
     for stage, (tensor, own, fixed) in given.items():
         try:
@@ -586,7 +586,7 @@ def effects_job(out_dir: str) -> dict:
                                  .reshape(-1) for v in (own, fixed))
         except Exception as e:  # noqa: BLE001 - a stage whose value cannot be fed is left unranked
             errors[stage] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    for f in ("given.onnx", "seeded.onnx"):
+    for f in ("given.onnx", "effects-seeded.onnx"):
         (out / f).unlink(missing_ok=True)
     torch.save(pairs, out / "effects.pt")
     return {"errors": errors}

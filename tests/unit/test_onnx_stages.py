@@ -6,6 +6,7 @@ independent defects, one in the source and one on the inverse STFT after it. Eve
 ranked by what taking it out alone does to the audio, and the source is judged locally."""
 from __future__ import annotations
 
+import re
 import types
 from pathlib import Path
 
@@ -148,20 +149,28 @@ def export_whole(model, traces, path: Path, source_gain: float = 1.0, istft_gain
 
 @pytest.fixture(scope="module")
 def localized(tmp_path_factory):
-    """The two-defect artifact judged and localized once (shared by the tests below)."""
-    from harness.port.chain import port_items, run_port_item
+    """The two-defect artifact localized once (shared by the tests below); its verdict (the noise
+    band's, `test_port.py`) is not what these tests are about: a failing record stands for it."""
+    from harness.port.chain import port_items
     from harness.port.onnx_stages import localize_item
+    from harness.record import Record
+    from harness.verdict import Verdict
     from tests.unit.conftest import tiny_session_at
 
     root = tmp_path_factory.mktemp("onnx_stages")
     with tiny_session_at(root, run_s=300) as s:
-        s.noise_k = 4
         path = export_whole(s.model, s.traces("tiny"), root / "two.onnx", SOURCE_GAIN, ISTFT_GAIN)
         (item,) = port_items(s, [f"e2e={path}"])
-        rec = run_port_item(s, item)
+        rec = Record(item.case, item.step, item.backend, item.mode, Verdict.FAIL, "audio outside its noise band")
         lines = []
         localize_item(s, item, rec, log=lines.append)
         yield rec, "\n".join(lines)
+
+
+def _gain(kind: str) -> float:
+    found = re.match(r"constant gain x([0-9.]+) ", kind)
+    assert found, kind
+    return float(found.group(1))
 
 
 @pytest.mark.slow
@@ -172,16 +181,16 @@ def test_two_independent_defects_are_both_named_and_ranked_by_their_audio_effect
     assert b["kind"] == "onnx-stages" and b["noise"] == "draws its own", b
     defects = {d["stage"]: d for d in b["defects"]}
     assert set(defects) == {"decoder.generator.m_source", "decoder.generator.istft"}, text
-    assert defects["decoder.generator.istft"]["kind"].startswith("constant gain x1.5"), text
-    assert defects["decoder.generator.m_source"]["kind"].startswith("constant gain x1.3"), text
+    assert _gain(defects["decoder.generator.istft"]["kind"]) == pytest.approx(ISTFT_GAIN, abs=0.01), text
+    assert _gain(defects["decoder.generator.m_source"]["kind"]) == pytest.approx(SOURCE_GAIN, abs=0.03), text
     # the inverse STFT's gain taken out is the audio x1.5 against x1 (SNR 6.02 dB); the random
     # model's vocoder turns the source's gain into a wholly other audio (SNR near 0 dB): first
     assert abs(defects["decoder.generator.istft"]["moves_audio_snr_db"] - 6.02) < 0.05, text
     assert defects["decoder.generator.m_source"]["moves_audio_snr_db"] < 3, text
     assert [d["stage"] for d in b["defects"]] == ["decoder.generator.m_source", "decoder.generator.istft"], text
     assert [d["rank"] for d in b["defects"]] == [1, 2]
-    assert "2 defects: decoder.generator.m_source (constant gain x1.29" in rec.reason, rec.reason
-    assert rec.reason.index("m_source (") < rec.reason.index("istft (constant gain x1.5"), rec.reason
+    assert "2 defects: decoder.generator.m_source (constant gain x1." in rec.reason, rec.reason
+    assert rec.reason.index("m_source (") < rec.reason.index("istft (constant gain x1."), rec.reason
     assert "2 defects (ranked by their effect on the audio, each taken out alone):" in text
 
 
@@ -190,7 +199,7 @@ def test_the_source_fed_a_tensor_no_reference_has_is_judged_locally(localized):
     rec, text = localized
     row = next(e for e in rec.bisect["stages"] if e["stage"] == "decoder.generator.m_source")
     assert row["mapped"] and "local" in row, row
-    assert not row["local"]["ok"] and row["local"]["kind"].startswith("constant gain x1.3"), row
+    assert not row["local"]["ok"] and _gain(row["local"]["kind"]) == pytest.approx(SOURCE_GAIN, abs=0.03), row
     assert any("voiced mask" in how for how in row["fed"].values()), row
     assert row["local"]["judged_by"] == "envelope", row  # it draws its own noise
     before = [e for e in rec.bisect["stages"][:rec.bisect["stages"].index(row)] if e["mapped"]]
