@@ -1,6 +1,7 @@
 """Localization inside a whole-model ONNX: intermediate values exposed as outputs, mapped to Kokoro's
-module paths, each judged chained and locally; a repro bundle for the first stage that leaves its
-tolerance.
+module paths, each judged chained and locally; every stage whose local error leaves its tolerance
+named as a defect and ranked by how far taking it out alone moves the audio; a repro bundle for the
+first.
 
 - *Mark*: like Polygraphy's `mark all`, the module outputs become graph outputs of a copy of the
   ONNX. A node's module path comes from its name by the rules that rebuild the default model from
@@ -11,7 +12,11 @@ tolerance.
   (inputs and outputs), in float32 and float64 (the floor), with the noise the artifact uses: none
   (every noise input zero) when the graph draws no random numbers, else the case's.
 - *Chained*: the marked run's value of each stage against the reference. *Local*: the stage's
-  subgraph (`onnx.utils.extract_model`) fed the reference's inputs of that module.
+  subgraph (`onnx.utils.extract_model`) fed the reference's inputs of that module, matched by
+  value (the harmonic source's also what an export computes outside it: upsampled F0, voiced
+  mask); a subgraph that draws its own noise (the source) by its amplitude envelope.
+- *Defects*: each taken out of its chained output as its kind says and fed back into a copy of the
+  artifact (random ops seeded alike), the audio with and without it compared (`rank_defects`).
 - *Repro*: the extracted subgraph, its inputs, the expected output and a repro.py that imports only
   numpy and onnxruntime (exit 1 reproduced, 0 fixed, 2 cannot run here).
 """
