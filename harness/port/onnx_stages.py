@@ -229,13 +229,16 @@ def _best_layout(value, want: torch.Tensor) -> np.ndarray:
     return min(_layouts(value, tuple(want.shape)), key=lambda a: _rel(a, want)).astype(np.float32)
 
 
+SAME_VALUE = 0.1  # rel L2 within which a reused or computed reference value is the artifact's input
+
+
 def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, values: dict, where: Path) -> dict:
     """Extract the module's subgraph and feed it the reference's inputs of the module: each float
     input the reference value nearest the artifact's own (any axis order), among the module's
     captured arguments and what an export may compute from them outside the module
-    (`fp32_derived`: the harmonic source's upsampled F0 and voiced masks); one value may feed
-    several inputs (the same F0 before and after a transpose). Integer inputs (shapes, lengths)
-    are the artifact's own values."""
+    (`fp32_derived`: the harmonic source's upsampled F0 and voiced masks), an argument no other
+    input took first; one value may feed several inputs when none is left (the same F0 before and
+    after a transpose). Integer inputs (shapes, lengths) are the artifact's own values."""
     options = [(f"reference input {i}", a) for i, a in enumerate(ref["fp32_in"].get(path, []))]
     options += list(ref.get("fp32_derived", {}).get(path, []))
     feed, fed = {}, {}
@@ -258,8 +261,13 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
                 continue
             fits = [(label, v) for label, a in options if a.numel() == own_a.size
                     for v in _layouts(a.float().numpy(), own_a.shape)]
-            if fits:  # the reference value nearest the artifact's own, in the artifact's layout
-                label, value = min(fits, key=lambda o: _rel(o[1], own_t))
+            # an argument no other input took (two inputs of one size are two arguments), unless a
+            # value already used (the same F0 transposed) or computed from them (a voiced mask) is
+            # nearer and is the artifact's own to within SAME_VALUE: matched by value, not by size
+            fresh = [o for o in fits if o[0].startswith("reference input") and o[0] not in fed.values()]
+            other = [o for o in fits if o not in fresh and _rel(o[1], own_t) <= SAME_VALUE]
+            if fresh or other:  # the reference value nearest the artifact's own, in the artifact's layout
+                label, value = min(fresh + other, key=lambda o: _rel(o[1], own_t))
                 feed[x], fed[x] = value.astype(own_a.dtype), label
                 continue
         if own_a is not None and (not floating or own_a.size <= 16):
