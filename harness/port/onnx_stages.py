@@ -265,7 +265,8 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
             # value already used (the same F0 transposed) or computed from them (a voiced mask) is
             # nearer and is the artifact's own to within SAME_VALUE: matched by value, not by size
             fresh = [o for o in fits if o[0].startswith("reference input") and o[0] not in fed.values()]
-            other = [o for o in fits if o not in fresh and _rel(o[1], own_t) <= SAME_VALUE]
+            taken = {id(o) for o in fresh}
+            other = [o for o in fits if id(o) not in taken and _rel(o[1], own_t) <= SAME_VALUE]
             if fresh or other:  # the reference value nearest the artifact's own, in the artifact's layout
                 label, value = min(fresh + other, key=lambda o: _rel(o[1], own_t))
                 feed[x], fed[x] = value.astype(own_a.dtype), label
