@@ -88,7 +88,10 @@ def port_lines(rec: Record) -> list[str]:
     lines = []
     if rec.stages:
         rows, defects = [], []
-        inside = (rec.bisect or {}).get("first_stage") if len(rec.stages) == 1 else None
+        b = rec.bisect or {}
+        inside = None if len(rec.stages) != 1 else (
+            ", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
+            if len(b.get("defects") or ()) > 1 else b.get("first_stage"))
         for row in rec.stages:
             bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
             stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran

@@ -88,3 +88,40 @@ def force_input(src: Path, dest: Path, tensor: str, dtype) -> Path:
     model.graph.input.append(onnx.helper.make_tensor_value_info(tensor, elem, None))
     onnx.save(model, str(dest))
     return dest
+
+
+def given_copy(src: Path, dest: Path, tensor: str, dtype) -> tuple[Path, str]:
+    """A copy of the ONNX where every consumer of `tensor` reads a new graph input instead (its
+    name returned): a value fed in place of one the graph computes. Unlike `force_input`, the
+    producer stays, so a node with several outputs (an LSTM's Y, Y_h, Y_c) keeps the others."""
+    import onnx
+
+    model = onnx.load(str(src))
+    given = f"{tensor}:given"
+    for n in model.graph.node:
+        for i, x in enumerate(n.input):
+            if x == tensor:
+                n.input[i] = given
+    for o in model.graph.output:
+        if o.name == tensor:
+            raise ValueError(f"{tensor!r} is a graph output: feed its value in its place, not into the graph")
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    model.graph.input.append(onnx.helper.make_tensor_value_info(given, elem, None))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dest))
+    return dest, given
+
+
+def seeded_copy(src: Path, dest: Path, seed: float = 1.0) -> Path:
+    """A copy whose random ops draw from fixed seeds (each its own), so that two runs of it, or of
+    copies made from it, draw the same numbers."""
+    import onnx
+
+    model = onnx.load(str(src))
+    for i, n in enumerate(x for x in model.graph.node if x.op_type in RANDOM_OPS):
+        kept = [a for a in n.attribute if a.name != "seed"]
+        del n.attribute[:]
+        n.attribute.extend(kept + [onnx.helper.make_attribute("seed", float(seed + i))])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dest))
+    return dest

@@ -1,6 +1,7 @@
 """Localization inside a whole-model ONNX: intermediate values exposed as outputs, mapped to Kokoro's
-module paths, each judged chained and locally; a repro bundle for the first stage that leaves its
-tolerance.
+module paths, each judged chained and locally; every stage whose local error leaves its tolerance
+named as a defect and ranked by how far taking it out alone moves the audio; a repro bundle for the
+first.
 
 - *Mark*: like Polygraphy's `mark all`, the module outputs become graph outputs of a copy of the
   ONNX. A node's module path comes from its name by the rules that rebuild the default model from
@@ -11,7 +12,11 @@ tolerance.
   (inputs and outputs), in float32 and float64 (the floor), with the noise the artifact uses: none
   (every noise input zero) when the graph draws no random numbers, else the case's.
 - *Chained*: the marked run's value of each stage against the reference. *Local*: the stage's
-  subgraph (`onnx.utils.extract_model`) fed the reference's inputs of that module.
+  subgraph (`onnx.utils.extract_model`) fed the reference's inputs of that module, matched by
+  value (the harmonic source's also what an export computes outside it: upsampled F0, voiced
+  mask); a subgraph that draws its own noise (the source) by its amplitude envelope.
+- *Defects*: each taken out of its chained output as its kind says and fed back into a copy of the
+  artifact (random ops seeded alike), the audio with and without it compared (`rank_defects`).
 - *Repro*: the extracted subgraph, its inputs, the expected output and a repro.py that imports only
   numpy and onnxruntime (exit 1 reproduced, 0 fixed, 2 cannot run here).
 """
@@ -25,8 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..model import SAMPLES_PER_FRAME
+from .differences import nonfinite
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
-                         marked_copy, node_module, run_onnx)
+                         marked_copy, node_module, run_onnx, seeded_copy)
 
 # (module path, what it is). Deterministic unless the artifact draws its own noise from
 # decoder.generator.m_source on (then the audio band judges the end).
@@ -126,6 +133,8 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     dur = durations_tensor(model)
     float_boundaries(model, groups)
     candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])] + ([dur] if dur else [])
+    if draws_noise(model):  # its random ops seeded: every run here (marked, cut, fed) draws the same numbers
+        artifact = str(seeded_copy(Path(artifact), out_dir / "seeded.onnx"))
     marked = marked_copy(Path(artifact), out_dir / "marked.onnx", candidates)
     feed = ref["feed"]
     values = run_onnx(marked, feed)
@@ -161,6 +170,7 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
                      "tensor": audio_name, "chained": np.asarray(values[audio_name]).reshape(-1),
                      "unforced": unforced_audio}
     torch.save(rows, out_dir / "stages.pt")
+    torch.save({"source": str(source), "feed": feed, "audio": audio_name}, out_dir / "run.pt")
     return {"mapped": [p for p, r in rows.items() if r.get("mapped")], "forced_durations": forced,
             "unmapped": {p: r["why"] for p, r in rows.items() if not r.get("mapped")}}
 
@@ -184,7 +194,7 @@ def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict,
     # (as a mapping rule only; the error of the one chosen is what gets judged)
     tensor = min(match, key=lambda t: _rel(values[t], want))
     row = {"what": what, "mapped": True, "tensor": tensor, "nodes": len(group["nodes"]), "candidates": len(match),
-           "chained": _best_layout(values[tensor], want)}
+           "chained": _best_layout(values[tensor], want), "chained_raw": np.asarray(values[tensor])}
     row.update(_local(source, group, tensor, ref, path, values, out_dir / "stages" / path))
     return row
 
@@ -219,14 +229,19 @@ def _best_layout(value, want: torch.Tensor) -> np.ndarray:
     return min(_layouts(value, tuple(want.shape)), key=lambda a: _rel(a, want)).astype(np.float32)
 
 
-def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, values: dict, where: Path) -> dict:
-    """Extract the module's subgraph and feed it the reference's inputs of the module (matched by
-    size); integer inputs (shapes, lengths) are the artifact's own values."""
-    import numpy as np
-    import onnx
+SAME_VALUE = 0.1  # rel L2 within which a reused or computed reference value is the artifact's input
 
-    args = list(ref["fp32_in"].get(path, []))
-    feed, used = {}, set()
+
+def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, values: dict, where: Path) -> dict:
+    """Extract the module's subgraph and feed it the reference's inputs of the module: each float
+    input the reference value nearest the artifact's own (any axis order), among the module's
+    captured arguments and what an export may compute from them outside the module
+    (`fp32_derived`: the harmonic source's upsampled F0 and voiced masks), an argument no other
+    input took first; one value may feed several inputs when none is left (the same F0 before and
+    after a transpose). Integer inputs (shapes, lengths) are the artifact's own values."""
+    options = [(f"reference input {i}", a) for i, a in enumerate(ref["fp32_in"].get(path, []))]
+    options += list(ref.get("fp32_derived", {}).get(path, []))
+    feed, fed = {}, {}
     for x in group["inputs"]:
         own = values.get(x)
         if x in ref["feed"]:
@@ -235,26 +250,38 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
         if x not in ref["dynamic"] and own is not None:  # computed from weights alone (quantization scales)
             feed[x] = np.asarray(own)
             continue
-        if own is not None and np.issubdtype(np.asarray(own).dtype, np.floating):
-            own_t = torch.from_numpy(np.asarray(own, dtype=np.float32))
+        own_a = None if own is None else np.asarray(own)
+        floating = own_a is not None and np.issubdtype(own_a.dtype, np.floating)
+        if floating:
+            own_t = torch.from_numpy(own_a.astype(np.float32))
             twin = next((v for v in ref["feed"].values() if np.asarray(v).size == own_t.numel()
                          and np.issubdtype(np.asarray(v).dtype, np.floating) and _rel(v, own_t) <= 1e-6), None)
             if twin is not None:  # a graph input reshaped (`F0_curve[:, None]`, shared by two modules): itself
-                feed[x] = _best_layout(twin, own_t).astype(np.asarray(own).dtype)
+                feed[x] = _best_layout(twin, own_t).astype(own_a.dtype)
                 continue
-        fit = [i for i, a in enumerate(args) if i not in used and a.numel() == (np.asarray(own).size if own is not None
-                                                                                   else -1)]
-        if fit and own is not None and np.issubdtype(np.asarray(own).dtype, np.floating):
-            own_t = torch.from_numpy(np.asarray(own, dtype=np.float32))
-            # the reference input nearest the artifact's own value, in the artifact's layout
-            options = [(i, a) for i in fit for a in _layouts(args[i].float().numpy(), np.asarray(own).shape)]
-            i, value = min(options, key=lambda o: _rel(o[1], own_t))
-            used.add(i)
-            feed[x] = value.astype(np.asarray(own).dtype)
-        elif own is not None and (not np.issubdtype(np.asarray(own).dtype, np.floating) or np.asarray(own).size <= 16):
-            feed[x] = np.asarray(own)  # shapes, lengths, quantization scales: the artifact's own values
+            fits = [(label, v) for label, a in options if a.numel() == own_a.size
+                    for v in _layouts(a.float().numpy(), own_a.shape)]
+            # an argument no other input took (two inputs of one size are two arguments), unless a
+            # value already used (the same F0 transposed) or computed from them (a voiced mask) is
+            # nearer and is the artifact's own to within SAME_VALUE: matched by value, not by size
+            fresh = [o for o in fits if o[0].startswith("reference input") and o[0] not in fed.values()]
+            taken = {id(o) for o in fresh}
+            other = [o for o in fits if id(o) not in taken and _rel(o[1], own_t) <= SAME_VALUE]
+            if fresh or other:  # the reference value nearest the artifact's own, in the artifact's layout
+                label, value = min(fresh + other, key=lambda o: _rel(o[1], own_t))
+                feed[x], fed[x] = value.astype(own_a.dtype), label
+                continue
+        if own_a is not None and (not floating or own_a.size <= 16):
+            feed[x] = own_a  # shapes, lengths, quantization scales: the artifact's own values
         else:
             return {"local_error": f"input {x!r} matches none of the module's reference inputs"}
+    return _run_cut(artifact, feed, fed, tensor, ref, path, where)
+
+
+def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path) -> dict:
+    """The module's subgraph (inputs `feed`, output `tensor`) cut out of the artifact and run."""
+    import onnx
+
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
         feed.setdefault(k, v)
     where.mkdir(parents=True, exist_ok=True)
@@ -267,7 +294,8 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
     np.savez(where / "inputs.npz", **{k: np.asarray(v) for k, v in feed.items()})
     want = ref["fp32"][path]
     return {"local": _best_layout(got, want) if np.asarray(got).size == want.numel() else np.asarray(got),
-            "subgraph": str(sub), "inputs": list(feed)}
+            "subgraph": str(sub), "inputs": list(feed), "fed": fed,
+            "local_draws_noise": draws_noise(onnx.load(str(sub), load_external_data=False))}
 
 
 # ---- the reference, captured where the ONNX is cut --------------------------------------------
@@ -317,7 +345,43 @@ def reference_captures(model, traces, zero_noise: bool) -> dict:
         out[dtype] = seen
         if dtype == "fp32":
             out["fp32_in"] = seen_in
+            with torch.no_grad():
+                out["fp32_derived"] = {STOCHASTIC_FROM: source_inputs(km, seen)}
+                if not zero_noise and STOCHASTIC_FROM in seen_in:
+                    out["fp32_other_draw"] = {STOCHASTIC_FROM: other_draw(km, seen_in[STOCHASTIC_FROM][0])}
     return out
+
+
+OTHER_DRAW_SEED = 1_000_003  # the source's second noise draw: its envelope's own floor
+
+
+def other_draw(km, f0: torch.Tensor) -> torch.Tensor:
+    """Kokoro's harmonic source on its captured input with another draw of its noise: how far its
+    output moves by noise alone (what an artifact that draws its own is judged against)."""
+    from ..patches import provide_noise, sample_noise
+
+    with provide_noise(sample_noise(OTHER_DRAW_SEED, f0.shape[1])):
+        out = km.decoder.generator.m_source(f0)
+    return (out[0] if isinstance(out, (tuple, list)) else out).detach()
+
+
+def source_inputs(km, seen: dict) -> list[tuple[str, torch.Tensor]]:
+    """What an export may feed the harmonic source in place of its own argument (the upsampled F0,
+    transposed), computed from the reference's F0 curve with Kokoro's own code: the curve itself,
+    the generator's upsampling of it (`f0_upsamp`), and SineGen's voiced mask (`_f02uv`) of each.
+    An export may compute the mask outside the source's scope, before the upsampling or after, or
+    hand the source the upsampled F0 in another layout (the packaged int8 file: before and after
+    its transpose)."""
+    f0 = seen.get("predictor.F0_proj")
+    if f0 is None:
+        return []
+    gen = km.decoder.generator
+    f0 = f0.reshape(1, -1)
+    up = gen.f0_upsamp(f0[:, None])
+    mask = gen.m_source.l_sin_gen._f02uv
+    return [("the F0 curve", f0), ("the voiced mask of the F0 curve (SineGen._f02uv)", mask(f0)),
+            ("the upsampled F0 (decoder.generator.f0_upsamp)", up),
+            ("the voiced mask of the upsampled F0 (f0_upsamp, SineGen._f02uv)", mask(up))]
 
 
 def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path):
@@ -357,8 +421,7 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
             continue
         r32, r64 = ref["fp32"][path], ref["fp64"][path]
         # chained, everything from the harmonic source on carries the source's phase (a long cumsum
-        # of F0) and the artifact's noise: the audio band judges it; locally (fed the reference's
-        # inputs) only an artifact's own noise makes a stage stochastic
+        # of F0) and the artifact's noise: the audio band judges it
         after = _after_noise(path)
         if path == "pred_dur":
             got = torch.as_tensor(row["chained"]).long()
@@ -368,7 +431,16 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
             entry["ok"] = entry["tokens_differ"] == 0
             table.append(entry)
             continue
-        judge_row(entry, row, r32, r64, check, stochastic=lambda role: after and (role == "chained" or noisy))
+        # locally, a stage is noise-dependent only when its own subgraph draws (the tail after the
+        # source, fed the reference's values, is deterministic even in an artifact that draws)
+        own_noise = noisy and row.get("local_draws_noise", True)
+        judge_row(entry, row, r32, r64, check, stochastic=lambda role: after and (role == "chained" or own_noise))
+        other = ref.get("fp32_other_draw", {}).get(path)
+        if own_noise and other is not None and row.get("local") is not None:
+            entry["local"] = judge_envelope(row["local"], r32, other, check)
+        fed = {x: how for x, how in (row.get("fed") or {}).items() if not how.startswith("reference input")}
+        if fed:
+            entry["fed"] = fed  # inputs fed what the reference computes outside the module
         local = entry.get("local") or {}
         if local and not local["ok"] and first is None:
             first = entry
@@ -379,6 +451,10 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     audio_row = rows.get("audio") or {}
     if audio_row.get("mapped") and rec.bisect["forced_durations"]:
         rec.bisect["forced_audio"] = band_rows(session, case_id, traces, audio_row["chained"], tol)
+    defects = [e for e in table if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]]
+    if defects:
+        rec.bisect["defects"] = rank_defects(session, defects, rows, ref, run_dir, noisy)
+        rec.reason = (rec.reason + "; " if rec.reason else "") + defects_reason(rec.bisect["defects"])
     if first is not None:
         rec.bisect["first_stage"] = first["stage"]
         sub = row_sub(rows, first["stage"])
@@ -388,6 +464,166 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     for line in stage_lines(rec.bisect):
         log(line)
     return rec.bisect
+
+
+def envelope(x, frame: int = SAMPLES_PER_FRAME) -> torch.Tensor:
+    """Frame RMS (one alignment frame, 600 samples) of a signal: what the source's phase and noise
+    do not hide."""
+    x = torch.as_tensor(np.asarray(x), dtype=torch.float64).reshape(-1)
+    n = x.numel() // frame * frame or x.numel()
+    return x[:n].reshape(-1, min(frame, n)).pow(2).mean(-1).sqrt()
+
+
+def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict:
+    """A stage that draws its own noise, run locally: its amplitude envelope against the
+    reference's, with the envelope of another noise draw of the reference as the floor (rel L2,
+    the item's rule on it); a NaN or Inf fails and says so."""
+    from ..metrics.tensor import compare_to_floor
+    from .differences import difference_kind
+
+    value = torch.as_tensor(np.asarray(local)).reshape(-1)
+    bad = nonfinite(value)
+    got, want, floor = envelope(local), envelope(r32), envelope(other)
+    m = compare_to_floor(got, floor, want)
+    ok, why = check(m)
+    return {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok and not bad,
+            "why": bad or f"amplitude envelope (frame RMS) against another noise draw's: {why}",
+            "kind": difference_kind(got[None], want[None]) + " (envelope)", "judged_by": "envelope"}
+
+
+# ---- every defect, ranked by what taking it out alone does to the audio ------------------------
+
+def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: Path, noisy: bool) -> list[dict]:
+    """Each stage whose local error leaves its tolerance, with its kind, its rank and its audio
+    effect. Its own error is taken out of its chained output (`without_own_error`) and the
+    artifact runs on from there; the same run fed the stage's own chained value gives the audio
+    with it, so that both carry the same noise (random ops seeded alike in both copies). The
+    defect's effect is how far it moves the audio: the SNR of the audio with it against the audio
+    without it (lower: a larger effect); ranked by it, a stage with NaN or Inf first. The audio
+    metrics of both against the reference's (no PESQ) are recorded beside it."""
+    audio_tensor = (rows.get("audio") or {}).get("tensor")
+    want = ref["fp32"]["audio"].double().reshape(-1).numpy()
+    pairs, given = {}, {}
+    for e in defects:
+        row = rows[e["stage"]]
+        raw = np.asarray(row["chained_raw"])
+        fixed = _in_layout(without_own_error(row, e, ref["fp32"][e["stage"]]), raw)
+        if row["tensor"] == audio_tensor:  # the stage's output is the audio itself
+            pairs[e["stage"]] = (raw.reshape(-1), fixed.reshape(-1))
+        else:
+            given[e["stage"]] = (row["tensor"], raw, fixed)
+    if given:
+        pairs.update(run_effects(session, given, run_dir))
+    out = []
+    for e in defects:
+        with_it, without = pairs.get(e["stage"], (None, None))
+        moved, effect = math.nan, {}
+        if with_it is not None and np.isfinite(without).all():
+            moved = effect_metrics(np.asarray(without, np.float64), with_it)["snr_db"]
+            if with_it.size == without.size == want.size:
+                before, after = effect_metrics(want, with_it), effect_metrics(want, without)
+                effect = {m: {"with": before[m], "without": after[m]} for m in before}
+        out.append({"stage": e["stage"], "kind": e["local"]["kind"], "local_rel_l2": e["local"]["rel_l2"],
+                    "floor_rel_l2": e["local"]["floor_rel_l2"], "moves_audio_snr_db": moved,
+                    "audio_effect": effect, "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))})
+    out.sort(key=lambda d: (not d["nonfinite"], d["moves_audio_snr_db"] if math.isfinite(d["moves_audio_snr_db"])
+                            else math.inf))
+    for i, d in enumerate(out, 1):
+        d["rank"] = i
+    return out
+
+
+def without_own_error(row: dict, entry: dict, r32: torch.Tensor) -> np.ndarray:
+    """The stage's chained output with its own error taken out, in the reference's layout, as its
+    local error (fed the reference's inputs) says it is made: a constant gain (a sign flip
+    included) is divided out; a stage judged by its envelope (it draws its own noise) is rescaled
+    frame by frame by the reference's envelope over its local one; any other error is subtracted
+    (`chained - (local - reference)`, to first order the stage without its defect on what its own
+    upstream gave it). Never the reference's value itself: that would also take out every defect
+    before the stage."""
+    chained = torch.as_tensor(row["chained"], dtype=torch.float64).reshape(-1)
+    local = torch.as_tensor(row["local"], dtype=torch.float64).reshape(-1)
+    want = r32.double().reshape(-1)
+    gain = float(local @ want) / max(float(want @ want), 1e-300)
+    if entry["local"].get("judged_by") == "envelope":
+        scale = envelope(want) / envelope(local).clamp_min(1e-30)
+        frame = max(1, math.ceil(chained.numel() / scale.numel()))
+        fixed = chained * scale.repeat_interleave(frame)[:chained.numel()]
+    elif gain != 0 and float((local - gain * want).pow(2).sum()) < 0.05 * float((local - want).pow(2).sum()):
+        fixed = chained / gain  # the same rule as differences.difference_kind's "constant gain"
+    else:
+        fixed = chained - (local - want)
+    return fixed.reshape(r32.shape).numpy()
+
+
+def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """`value` (the reference's layout) in the artifact's layout: the axis order nearest its own."""
+    own = torch.from_numpy(raw.astype(np.float32))
+    return min(_layouts(value, raw.shape), key=lambda a: _rel(a, own)).astype(raw.dtype)
+
+
+def effect_metrics(want: np.ndarray, audio) -> dict:
+    """The audio metrics of the noise band that need no PESQ run, against the reference's audio."""
+    from ..metrics.audio import logmel_mad_db, mrstft, rms_ratio_db, snr_db
+
+    a = np.asarray(audio, dtype=np.float64).reshape(-1)
+    return {"snr_db": snr_db(want, a), "logmel_mad_db": logmel_mad_db(want, a), "mrstft": mrstft(want, a),
+            "rms_ratio_db": rms_ratio_db(want, a)}
+
+
+def run_effects(session, given: dict, run_dir: Path) -> dict:
+    """{stage: (audio with its own value fed, audio with its error taken out)}, the artifact run
+    in a child process as the stages ran; a stage whose runs fail is left out."""
+    from ..plumbing.files import atomic_write
+    from ..plumbing.jobs import run_job
+
+    atomic_write(run_dir / "given.pt", lambda f: torch.save(given, f))
+    result = run_job("harness.port.onnx_stages:effects_job", dict(out_dir=str(run_dir)), run_dir / "effects",
+                     session.limits.run_s * 4)
+    return torch.load(run_dir / "effects.pt", weights_only=False) if result.ok else {}
+
+
+def effects_job(out_dir: str) -> dict:
+    """Job function (child process): per stage, the artifact (its random ops seeded) run twice
+    with that stage's tensor fed: its own chained value, then the value without its error."""
+    from .onnx_graph import given_copy, seeded_copy
+
+    out = Path(out_dir)
+    run = torch.load(out / "run.pt", weights_only=False)
+    given = torch.load(out / "given.pt", weights_only=False)
+    seeded = seeded_copy(Path(run["source"]), out / "effects-seeded.onnx")
+    pairs, errors = {}, {}
+    for stage, (tensor, own, fixed) in given.items():
+        try:
+            cut, name = given_copy(seeded, out / "given.onnx", tensor, own.dtype)
+            pairs[stage] = tuple(np.asarray(run_onnx(cut, {**run["feed"], name: v}, [run["audio"]])[run["audio"]])
+                                 .reshape(-1) for v in (own, fixed))
+        except Exception as e:  # noqa: BLE001 - a stage whose value cannot be fed is left unranked
+            errors[stage] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    for f in ("given.onnx", "effects-seeded.onnx"):
+        (out / f).unlink(missing_ok=True)
+    torch.save(pairs, out / "effects.pt")
+    return {"errors": errors}
+
+
+def defects_reason(defects: list[dict]) -> str:
+    """'2 defects: a (kind; SNR x -> y dB without it); b (...)', ranked by audio effect."""
+    return f"{len(defects)} defect{'s' if len(defects) > 1 else ''}: " + "; ".join(
+        f"{d['stage']} ({d['kind']}; {effect_text(d)})" for d in defects)
+
+
+def effect_text(d: dict) -> str:
+    """'moves the audio by SNR 6.02 dB (log-mel distance 3.5 -> 0.1 dB without it)'."""
+    from ..metrics import fmt
+
+    moved = d.get("moves_audio_snr_db", math.nan)
+    if not math.isfinite(moved):
+        return "audio effect not measured"
+    text = f"moves the audio by SNR {fmt(moved)} dB"
+    e = d["audio_effect"].get("logmel_mad_db")
+    if e and math.isfinite(e["with"]) and math.isfinite(e["without"]):
+        text += f" (log-mel distance to the reference {fmt(e['with'])} -> {fmt(e['without'])} dB without it)"
+    return text
 
 
 def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, check, stochastic=lambda role: False):
@@ -419,17 +655,30 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
 def band_rows(session, case_id: str, traces, audio, tol) -> dict:
     """Audio metrics of `audio` (the reference durations forced) against the noise band."""
     from ..metrics.audio import audio_metrics
-    from ..verdict import band_comparator
-    from .noise import session_k
-    from .noise import DIRECTIONS, noise_band
+    from .noise import noise_band, session_k
 
     band = noise_band(session.model, session.cases[case_id], traces, session_k(session))
     am = audio_metrics(traces.chain["audio"][0].double().numpy(), np.asarray(audio, dtype=np.float64).reshape(-1))
+    return judge_band(audio, am, band["band"], tol)
+
+
+def judge_band(audio, am: dict, bands: dict, tol) -> dict:
+    """Each band metric of `audio` (`am`) against its noise band: a NaN or Inf in the audio, or a
+    non-finite metric whose band is finite, fails and is said first (`nonfinite` leads the dict)."""
+    from ..verdict import band_comparator
+    from .noise import DIRECTIONS
+
     check = band_comparator(tol)
     out = {}
+    bad = nonfinite(torch.as_tensor(np.asarray(audio, dtype=np.float64)).reshape(-1))
+    if bad:  # a NaN never passes, and is said first
+        out["nonfinite"] = {"value": None, "band": None, "ok": False, "why": f"audio: {bad}"}
     for metric, direction in DIRECTIONS.items():
-        ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
-        out[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok, "why": why}
+        value = am.get(metric, math.nan)
+        ok, why = check(metric, value, bands[metric], direction)
+        if not math.isfinite(value) and all(map(math.isfinite, bands[metric])):
+            ok, why = False, f"NaN: {metric} is non-finite (its noise band is finite)"
+        out[metric] = {"value": value, "band": bands[metric], "ok": ok, "why": why}
     return out
 
 
@@ -463,12 +712,17 @@ def stage_lines(b: dict) -> list[str]:
                          f"local {fmt(loc.get('rel_l2')):>8} {verdict(loc):<4} chained {fmt(c.get('rel_l2')):>8} "
                          f"{verdict(c):<4} {loc.get('kind') or c.get('kind', '')}"
                          + (f"; local not run: {e['local_error']}" if e.get("local_error") and not loc else "")
+                         + (f"; fed {', '.join(sorted(set(e['fed'].values())))}" if e.get("fed") else "")
                          + (f"; chained: {e['chained_error']}" if e.get("chained_error") else "")
                          + (f"; {e['note']}" if e.get("note") else ""))
     if b.get("forced_audio"):
         lines.append("  audio with the reference durations forced, against the noise band: " + "; ".join(
             v["why"] for v in b["forced_audio"].values()))
     lines.append(f"first stage whose local error leaves its tolerance: {b.get('first_stage', 'none')}")
+    if b.get("defects"):
+        n = len(b["defects"])
+        lines.append(f"{n} defect{'s' if n > 1 else ''} (ranked by their effect on the audio, each taken out alone):")
+        lines += [f"  {d['rank']}. {d['stage']}: {d['kind']}; {effect_text(d)}" for d in b["defects"]]
     if b.get("unmapped"):
         lines.append(f"could not be mapped: {', '.join(b['unmapped'])}")
     if b.get("repro"):

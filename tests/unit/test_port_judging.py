@@ -194,3 +194,18 @@ def test_a_whole_model_row_names_where_the_localization_found_its_defect():
     text = item_table(rec)
     assert "defects (local error leaves its floor): whole; localized inside it to decoder.generator.istft" in text
     assert "(first)" not in text
+
+
+def test_a_whole_model_row_names_every_defect_the_localization_found_in_rank_order():
+    from harness.record import Record
+    from harness.report import item_table
+
+    stages = [{"stage": "whole", "outputs": {"audio": {"local": _judged(0.4, False), "chained": _judged(0.4, False)}}}]
+    rec = Record("ja", "e2e", "artifact", "dynamic", Verdict.FAIL, "whole:audio: rel_l2 0.4", stages=stages,
+                 bisect={"kind": "onnx-stages", "first_stage": "decoder.generator.m_source", "stages": [],
+                         "artifact": "m.onnx", "noise": "none drawn",
+                         "defects": [{"stage": s, "rank": i, "kind": "constant gain", "moves_audio_snr_db": 6.0,
+                                      "audio_effect": {}} for i, s in enumerate(("decoder.generator.istft",
+                                                                                 "decoder.generator.m_source"), 1)]})
+    assert ("localized inside it to decoder.generator.istft, decoder.generator.m_source (ranked by audio effect)"
+            in item_table(rec))
