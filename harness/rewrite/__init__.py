@@ -40,7 +40,10 @@ def load_adapter(spec: str) -> Adapter:
 
 def rewrite_items(session, specs: list[str]) -> list[RewriteItem]:
     """One item per (case, rewrite); an adapter that does not load or maps a module Kokoro does
-    not have gives items that report its error instead of stopping the run."""
+    not have gives items that report its error instead of stopping the run. No rewrite asked: no
+    model loaded for it."""
+    if not specs:
+        return []
     paths = tuple(p for p, _ in session.model.kmodel.named_modules() if p)
     items = []
     for spec in specs:
