@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
@@ -261,14 +260,17 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
                 continue
             fits = [(label, v) for label, a in options if a.numel() == own_a.size
                     for v in _layouts(a.float().numpy(), own_a.shape)]
-            # an argument no other input took (two inputs of one size are two arguments), unless a
-            # value already used (the same F0 transposed) or computed from them (a voiced mask) is
-            # nearer and is the artifact's own to within SAME_VALUE: matched by value, not by size
+            # a captured argument feeds one input (two inputs of one size are two arguments: an
+            # export that merged two modules' computations must not get one tensor twice); what is
+            # computed from the arguments (the upsampled F0, a voiced mask) may feed several. The
+            # nearest to the artifact's own value (in its layout) within SAME_VALUE, else the
+            # nearest argument no other input took.
             fresh = [o for o in fits if o[0].startswith("reference input") and o[0] not in fed.values()]
-            taken = {id(o) for o in fresh}
-            other = [o for o in fits if id(o) not in taken and _rel(o[1], own_t) <= SAME_VALUE]
-            if fresh or other:  # the reference value nearest the artifact's own, in the artifact's layout
-                label, value = min(fresh + other, key=lambda o: _rel(o[1], own_t))
+            free = {id(o) for o in fresh}
+            near = [o for o in fits if (id(o) in free or not o[0].startswith("reference input"))
+                    and _rel(o[1], own_t) <= SAME_VALUE]
+            if near or fresh:
+                label, value = min(near or fresh, key=lambda o: _rel(o[1], own_t))
                 feed[x], fed[x] = value.astype(own_a.dtype), label
                 continue
         if own_a is not None and (not floating or own_a.size <= 16):
