@@ -29,16 +29,21 @@ from pathlib import Path
 import torch
 
 from . import tensors
-from .durations import FoundDurations, found_durations, run_with_durations
-from .noise import noise_inside, zero_noise_reference
 from .differences import MAX_SHIFT, difference_kind, nonfinite  # noqa: F401 (the chain's judges use them)
-from .noise import session_k  # noqa: F401
+from .durations import FoundDurations, found_durations, run_with_durations
+from .noise import DIRECTIONS, noise_band, noise_inside, session_k, zero_noise_reference  # noqa: F401
 from .onnx_stages import localize_item
-from .portfile import BUCKET_UNITS, Port, PortError, StageSpec, open_port, resolve_glue
+from .portfile import BUCKET_UNITS, HOST_GLUE, Port, PortError, StageSpec, open_port, resolve_glue
 
-from ..model import SAMPLES_PER_FRAME
-from ..record import compiled_not_run
-
+from ..backends.prebuilt import display_name
+from ..metrics.audio import audio_metrics, write_wav
+from ..metrics.tensor import compare_to_floor, error_metrics
+from ..model import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..record import Record, compiled_not_run, item_id, real_time, versions
+from ..reference import (CASE_INPUTS, NEUTRAL_PATCHES, REFERENCE_PATCHES, BoundaryError, module_captures,
+                         stage_reference)
+from ..steps import STEPS, get_step
+from ..verdict import Verdict, apply_float16_floor, audio_comparator, band_comparator, comparator
 
 
 @dataclass(frozen=True)
@@ -62,14 +67,10 @@ class PortItem:
 
     @property
     def backend(self) -> str:
-        from ..backends.prebuilt import display_name
-
         return display_name(self.spec[4:]) if self.whole_model else "port"
 
     @property
     def id(self) -> str:
-        from ..record import item_id
-
         return item_id(self.case, self.step, self.backend, self.mode)
 
     # harness.pipeline: how this kind of item runs and is localized
@@ -102,12 +103,9 @@ def port_items(session, specs: list[str], modes=("dynamic",)) -> list[PortItem]:
 
 def run_port_item(session, item: PortItem):
     """Run and judge a port item; the record is written like any other."""
-    from ..record import Record
-    from ..verdict import Verdict
 
     rec = Record(item.case, item.step, item.backend, item.mode, Verdict.SKIPPED,
                  model={"name": session.model.name, "digest": session.model.digest, "source": session.model.source})
-    from ..record import versions
 
     rec.versions = versions(None)
     if item.error:
@@ -153,115 +151,148 @@ def run_chain(session, port: Port, item, rec, steps: HarnessSteps | None = None,
     `judge_end`) gives the verdict from the chained values (and the last stage's local ones);
     `profile_step`: the tolerance profile's step for the stage rows; `references`: {tensor:
     {"float32": ..., "float64": ...}} judged against instead of the plain reference (a backend's
-    semantics-changing patches make their own variant, harness.reference.synthesizer_reference).
-    Longer than 80 lines on purpose: the loop over stages shares the chained values, the user's
-    glue, the rows already judged and the stages whose local error leaves its floor; the per-stage
-    pieces (glue, run, judge_stage) are functions of their own, the loop reads as the chain runs.
-    """
-    from ..verdict import Verdict
+    semantics-changing patches make their own variant, harness.reference.synthesizer_reference)."""
+    _Chain(session, port, item, rec, steps, profile_step, references).run(end or judge_end)
 
-    end = end or judge_end
-    traces = session.traces(item.case)
-    case = session.cases[item.case]
-    refs = tensors.module_refs(r.tensor for s in port.stages for r in (*s.inputs.values(), *s.outputs.values()))
-    if refs:  # the port's cuts inside modules: hooks on one reference run per dtype, cached
-        from ..reference import module_captures
 
+class _Chain:
+    """One run of a port's chain: what the stages share while it runs (the chained values, the
+    user's glue and which of it was judged, the rows whose local error leaves their floor, the
+    app's own runs, the stages only compiled here). `run` reads as the chain runs; a stage's
+    pieces (glue rows, local and chained runs, its row) are methods."""
+
+    def __init__(self, session, port: Port, item, rec, steps, profile_step: str, references) -> None:
+        self.session, self.port, self.item, self.rec, self.steps = session, port, item, rec, steps
+        self.profile_step, self.references = profile_step, references
+        self.traces = session.traces(item.case)
+        self.case = session.cases[item.case]
+        self.chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
+        self.defects: list[tuple[str, str, dict]] = []  # (stage, tensor, local metrics) leaving the floor
+        self.judged_glue: set[tuple[str, str]] = set()
+        self.app_runs: list[str] = []  # the timing tags of the runs the app makes (each stage's chained run)
+        self.local_out: dict = {}
+        self.compiled_only: list[tuple[str, str]] = []  # stages compiled that this target cannot run
+        self.user: dict = {}
+
+    def run(self, end) -> None:
+        self._capture_cuts()
         try:
-            module_captures(session.model, case, traces, refs)
+            self.user = {name: UserGlue(spec, resolve_glue(spec, self.port.root))
+                         for name, spec in self.port.spec.glue.items()}
         except ValueError as e:
-            raise PortError(str(e)) from None
-    chained: dict[str, torch.Tensor] = {}  # what the app's stages produced so far (plus host glue)
-    defects: list[tuple[str, str, dict]] = []  # (stage, tensor, local metrics): each local error leaving its floor
-    try:
-        user = {name: UserGlue(spec, resolve_glue(spec, port.root)) for name, spec in port.spec.glue.items()}
-    except ValueError as e:
-        raise PortError(f"field 'glue': {e}") from None
-    judged_glue: set[tuple[str, str]] = set()
-    app_runs: list[str] = []  # the timing tags of the runs the app makes (each stage's chained run)
-    local_out: dict = {}
-    compiled_only: list[tuple[str, str]] = []  # stages compiled that this target cannot run
-    for i, stage in enumerate(port.stages):
-        if stage.step is not None and steps is None:
-            raise PortError(f"stage {stage.name!r}, field 'step': a harness step runs on a backend; a port of "
-                            f"prebuilt artifacts names an `artifact:` per stage")
-        if compiled_only:  # converting only: each stage on the reference's inputs, no glue, no chained run
-            out = run_stage(session, port, stage, {r.tensor: boundary(r.tensor, traces) for r in stage.inputs.values()},
-                            rec, item, "local", traces, valid_lengths(traces) if stage.buckets else None, {}, steps)
-            if out is None and not compiled_not_run(rec):
-                return  # a stage that does not convert: that is the verdict
-            compiled_only.append((stage.name, rec.reason))
-            continue
+            raise PortError(f"field 'glue': {e}") from None
+        for i, stage in enumerate(self.port.stages):
+            if stage.step is not None and self.steps is None:
+                raise PortError(f"stage {stage.name!r}, field 'step': a harness step runs on a backend; a port of "
+                                f"prebuilt artifacts names an `artifact:` per stage")
+            if not self._stage(i, stage):
+                return
+        if self.compiled_only:
+            self.rec.verdict = Verdict.SKIPPED
+            self.rec.reason = (f"{self.compiled_only[0][1]}; every stage compiled: "
+                               + ", ".join(name for name, _ in self.compiled_only))
+            return
+        if "audio" in self.chained:  # the app's run time: each stage's chained run, for the audio it made
+            self.rec.real_time = real_time(sum(self.rec.timings.get(f"{tag}run_s", 0.0) for tag in self.app_runs),
+                                           self.chained["audio"].shape[-1] / SAMPLE_RATE)
+        end(self.session, self.port, self.item, self.rec, self.chained, self.traces, self.case, local=self.local_out)
+        self._reason()
+
+    def _capture_cuts(self) -> None:
+        """The port's cuts inside modules: hooks on one reference run per dtype, cached."""
+        refs = tensors.module_refs(r.tensor for s in self.port.stages
+                                   for r in (*s.inputs.values(), *s.outputs.values()))
+        if refs:
+            try:
+                module_captures(self.session.model, self.case, self.traces, refs)
+            except ValueError as e:
+                raise PortError(str(e)) from None
+
+    def _run_stage(self, stage, role: str, valid, meta: dict):
+        """run_stage on the stage (or on its copy that finds its durations)."""
+        return lambda s, values: run_stage(self.session, self.port, s or stage, values, self.rec, self.item, role,
+                                           self.traces, valid, meta, self.steps)
+
+    def _stage(self, i: int, stage) -> bool:
+        """One stage: its glue's rows, its local run, its chained run, its row. False: the chain
+        stops here (the stage's verdict is the item's)."""
+        traces = self.traces
+        if self.compiled_only:  # converting only: each stage on the reference's inputs, no glue, no chained run
+            out = run_stage(self.session, self.port, stage, {r.tensor: boundary(r.tensor, traces)
+                                                             for r in stage.inputs.values()},
+                            self.rec, self.item, "local", traces, valid_lengths(traces) if stage.buckets else None,
+                            {}, self.steps)
+            if out is None and not compiled_not_run(self.rec):
+                return False  # a stage that does not convert: that is the verdict
+            self.compiled_only.append((stage.name, self.rec.reason))
+            return True
         # float16: the port's tolerance against the float16 floor (judge_tensor); int8: its own entry
-        tol = session.profile.for_(stage.precision if stage.precision not in ("float32", "float16") else profile_step,
-                                   item.backend, item.mode)
-        try:
-            own = {ref.tensor: UserGlue(ref.glue, resolve_glue(ref.glue, port.root))
-                   for ref in stage.inputs.values() if ref.glue is not None}
-        except ValueError as e:
-            raise PortError(f"stage {stage.name!r}, field 'inputs.*.glue': {e}") from None
-        used = set().union(*(glue_used(r.tensor, chained, user) for r in stage.inputs.values() if r.glue is None))
-        glued = {**{t: user[t] for t in sorted(used)}, **own}
-        for tensor, g in glued.items():
-            if (g.spec, tensor) not in judged_glue:  # the user's host code: a row of its own
-                judged_glue.add((g.spec, tensor))
-                row = judge_glue(g, tensor, chained, traces, user, tol, stage)
-                rec.stages.append(row)
-                if not row["local_ok"]:
-                    defects.append((row["stage"], tensor, row["outputs"][tensor]["local"]))
+        tol = self.session.profile.for_(stage.precision if stage.precision not in ("float32", "float16")
+                                        else self.profile_step, self.item.backend, self.item.mode)
+        own, glued = self._glue_rows(stage, tol)
         local_in = {ref.tensor: boundary(ref.tensor, traces) for ref in stage.inputs.values()}
         meta: dict = {}
-        found = stage_durations(port, stage, session.report_dir / "runs" / item.id / "durations")
-
-        def runner(role: str, valid):  # run_stage on the stage (or on its copy that finds its durations)
-            return lambda s, values: run_stage(session, port, s or stage, values, rec, item, role, traces, valid,
-                                               meta, steps)
-        local_out, durations = run_with_durations(runner("local", valid_lengths(traces) if stage.buckets else None),
-                                                  found, local_in, traces)
+        found = stage_durations(self.port, stage, self.session.report_dir / "runs" / self.item.id / "durations")
+        self.local_out, durations = run_with_durations(
+            self._run_stage(stage, "local", valid_lengths(traces) if stage.buckets else None, meta), found, local_in,
+            traces)
         durations = {"local": durations} if durations else {}
-        if local_out is None and compiled_not_run(rec):  # a Core ML chain off macOS: convert every stage
-            compiled_only.append((stage.name, rec.reason))
-            continue
-        if local_out is None:
-            return
+        if self.local_out is None and compiled_not_run(self.rec):  # a Core ML chain off macOS: convert every stage
+            self.compiled_only.append((stage.name, self.rec.reason))
+            return True
+        if self.local_out is None:
+            return False
         if i == 0 and not glued:
-            chained_out = local_out
-            app_runs.append(stage_tag(port, stage, "local"))
+            chained_out = self.local_out
+            self.app_runs.append(stage_tag(self.port, stage, "local"))
         else:
-            chain_in = {ref.tensor: own[ref.tensor](glue_view(chained, traces, user)) if ref.tensor in own
-                        else glue(ref.tensor, chained, traces, user) for ref in stage.inputs.values()}
-            chained_out, chained_dur = run_with_durations(
-                runner("chained", valid_lengths(traces, chained, user) if stage.buckets else None), found, chain_in,
-                traces)
+            chain_in = {ref.tensor: own[ref.tensor](glue_view(self.chained, traces, self.user)) if ref.tensor in own
+                        else glue(ref.tensor, self.chained, traces, self.user) for ref in stage.inputs.values()}
+            valid = valid_lengths(traces, self.chained, self.user) if stage.buckets else None
+            chained_out, chained_dur = run_with_durations(self._run_stage(stage, "chained", valid, meta), found,
+                                                          chain_in, traces)
             if chained_dur:
                 durations["chained"] = chained_dur
             if chained_out is None:
-                return
-            app_runs.append(stage_tag(port, stage, "chained"))
-        chained.update(chained_out)
-        rec.stages.append(judge_stage(session, stage, item, traces, tol, local_in, local_out, chained_out,
-                                      {"bucket": meta, "durations": durations}, steps, references, defects))
-    if compiled_only:
-        rec.verdict = Verdict.SKIPPED
-        rec.reason = (f"{compiled_only[0][1]}; every stage compiled: "
-                      + ", ".join(name for name, _ in compiled_only))
-        return
-    if "audio" in chained:  # the app's run time: each stage's chained run, for the audio it made
-        from ..model import SAMPLE_RATE
-        from ..record import real_time
+                return False
+            self.app_runs.append(stage_tag(self.port, stage, "chained"))
+        self.chained.update(chained_out)
+        self.rec.stages.append(judge_stage(self.session, stage, self.item, traces, tol, local_in, self.local_out,
+                                           chained_out, {"bucket": meta, "durations": durations}, self.steps,
+                                           self.references, self.defects))
+        return True
 
-        rec.real_time = real_time(sum(rec.timings.get(f"{tag}run_s", 0.0) for tag in app_runs),
-                                  chained["audio"].shape[-1] / SAMPLE_RATE)
-    end(session, port, item, rec, chained, traces, case, local=local_out)
-    rec.reason += forced_note(rec)
-    if len(port.stages) == 1 or rec.verdict is Verdict.PASS:
-        pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
-    elif defects:  # every stage the table reads DEFECT, in chain order
-        rec.reason += "; first stage whose local error leaves its floor: " + "; also: ".join(
-            f"{stage!r} ({tensor}: {m.get('why', '')}; {m.get('kind', '')})" for stage, tensor, m in defects)
-    elif rec.verdict is not Verdict.PASS:
-        rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
-    rec.reason = rec.reason.lstrip("; ")
+    def _glue_rows(self, stage, tol) -> tuple[dict, dict]:
+        """The user's host code feeding this stage, each (glue, tensor) judged once in a row of
+        its own; returns (the stage's own glue, all glue it runs)."""
+        try:
+            own = {ref.tensor: UserGlue(ref.glue, resolve_glue(ref.glue, self.port.root))
+                   for ref in stage.inputs.values() if ref.glue is not None}
+        except ValueError as e:
+            raise PortError(f"stage {stage.name!r}, field 'inputs.*.glue': {e}") from None
+        used = set().union(*(glue_used(r.tensor, self.chained, self.user)
+                             for r in stage.inputs.values() if r.glue is None))
+        glued = {**{t: self.user[t] for t in sorted(used)}, **own}
+        for tensor, g in glued.items():
+            if (g.spec, tensor) not in self.judged_glue:
+                self.judged_glue.add((g.spec, tensor))
+                row = judge_glue(g, tensor, self.chained, self.traces, self.user, tol, stage)
+                self.rec.stages.append(row)
+                if not row["local_ok"]:
+                    self.defects.append((row["stage"], tensor, row["outputs"][tensor]["local"]))
+        return own, glued
+
+    def _reason(self) -> None:
+        rec = self.rec
+        rec.reason += forced_note(rec)
+        if len(self.port.stages) == 1 or rec.verdict is Verdict.PASS:
+            pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
+        elif self.defects:  # every stage the table reads DEFECT, in chain order
+            rec.reason += "; first stage whose local error leaves its floor: " + "; also: ".join(
+                f"{stage!r} ({tensor}: {m.get('why', '')}; {m.get('kind', '')})" for stage, tensor, m in self.defects)
+        else:
+            rec.reason += "; no stage leaves its floor locally (the error accumulates along the chain)"
+        rec.reason = rec.reason.lstrip("; ")
 
 
 def judge_stage(session, stage: StageSpec, item, traces, tol, local_in: dict, local_out: dict, chained_out: dict,
@@ -341,7 +372,6 @@ def stage_references(session, stage: StageSpec, local_in: dict, traces, item, st
     stage: {"float16", "float16_base"} (eager float16 and float64 of the same computation, at the
     bucket or the exact lengths): its float16 floor. A stage whose outputs cannot be recomputed from
     its inputs (it starts inside a module) keeps the exact-length reference; the note says so."""
-    from ..reference import CASE_INPUTS, NEUTRAL_PATCHES, REFERENCE_PATCHES, BoundaryError, stage_reference
 
     bucketed = bool(stage.buckets) and (stage.step is None or (steps is not None and steps.static))
     fp16 = stage.precision == "float16"
@@ -466,7 +496,6 @@ def glue(name: str, values: dict[str, torch.Tensor], traces, user: dict | None =
 def glue_used(name: str, values: dict, user: dict) -> set[str]:
     """The tensors whose user glue `glue(name, values, ...)` calls: directly, or under the
     harness's glue (`asr = t_en @ aln` with the user's `aln`)."""
-    from .portfile import HOST_GLUE
 
     if name in values:
         return set()
@@ -546,8 +575,6 @@ def pad_to_bucket(stage: StageSpec, values: dict, bucket: int | dict[str, int], 
 
 
 def _pad_value(name: str) -> float:
-    from ..steps import STEPS
-
     return next((t.pad_value for s in STEPS for t in (*s.inputs, *s.outputs) if t.name == name), 0.0)
 
 
@@ -633,7 +660,6 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     outputs as Kokoro tensors, or None with the record's verdict set. A bucketed stage runs the
     bucket that fits, its inputs padded to it and its outputs trimmed to `valid` (valid_lengths);
     `meta[role]` records the bucket (a size, or {unit: size} with buckets per unit)."""
-    from ..verdict import Verdict
 
     chosen = {}
     if stage.buckets and (stage.step is None or (steps is not None and steps.static)):
@@ -688,7 +714,6 @@ def run_step(session, stage: StageSpec, values: dict, rec, item, role: str, tag:
     """A `step:` stage: the harness step exported, compiled (both cached) and run on the item's
     backend with its patches, fed the Kokoro tensors its inputs map; outputs trimmed to `valid`
     (a bucketed run) and returned as Kokoro tensors, or None with the record's verdict set."""
-    from ..steps import get_step
 
     step = get_step(stage.step)
     inputs = {name: values[stage.inputs[name].tensor] for name in step.input_names}
@@ -710,8 +735,6 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
     plain one): durations exactly, noise-dependent tensors of a stage that draws its own noise by
     their difference only (the band judges the audio), everything else against the fp32 floor
     (harness.verdict.comparator)."""
-    from ..metrics.tensor import compare_to_floor, error_metrics
-    from ..verdict import apply_float16_floor, comparator
 
     ref = ref or {}
     ref32 = ref["float32"] if "float32" in ref else tensors.reference(name, traces, "float32")
@@ -755,10 +778,6 @@ def judge_tensor(name: str, value: torch.Tensor, traces, tol, stage: StageSpec, 
 def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, case, local=None) -> None:
     """The verdict: every chained output of every stage, and the final audio (against the noise
     band when its stage draws its own noise, else against the floor), plus the durations."""
-    from ..metrics.audio import audio_metrics, write_wav
-    from ..model import SAMPLE_RATE
-    from ..verdict import Verdict, audio_comparator, band_comparator
-    from .noise import DIRECTIONS, noise_band
 
     last = port.stages[-1]
     tol = session.profile.for_(last.precision if last.precision not in ("float32", "float16") else "port",
@@ -803,8 +822,6 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
                     failures.append(f"audio: {why}")
             zero = band["zero_noise_audio"][0]
             if zero.shape[-1] == len(cand):
-                from ..metrics.tensor import error_metrics
-
                 z = error_metrics(torch.from_numpy(cand), zero.double())
                 rec.bands["zero_noise"] = {"rel_l2": z["rel_l2"], "snr_db": z["snr_db"],
                                            "kind": difference_kind(torch.from_numpy(cand), zero.double()),
