@@ -128,7 +128,7 @@ def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys
     """In a CI log, the nightly says what it is doing while an item runs, as `run` does."""
     from types import SimpleNamespace
 
-    from harness import history, progress, runner
+    from harness import commands, progress
     from harness.plumbing.cache import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
@@ -158,8 +158,10 @@ def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys
         assert [r.id for r in records] == ["tiny-decoder-eager-dynamic"]
         return SimpleNamespace(run=SimpleNamespace(upstream=[]), problems=[], regressions=[], summary=lambda: "")
 
-    monkeypatch.setattr(runner, "Session", FakeSession)
-    monkeypatch.setattr(history, "nightly", fake_nightly)
+    # `commands` binds both names at import: patched there (patched in their home modules, the real
+    # nightly of the default model ran for an hour in CI and failed only at the end)
+    monkeypatch.setattr(commands, "Session", FakeSession)
+    monkeypatch.setattr(commands, "nightly", fake_nightly)
     assert main(["nightly", "--backend=eager", f"--report-dir={tmp_path}", "--no-upstream"]) == 0
     err = capsys.readouterr().err
     assert "kokoro-parity: running tiny-decoder-eager-dynamic ..." in err, err
