@@ -1,0 +1,34 @@
+"""`port init`'s distance by value (harness/port/init.py): any axis order, a frame axis a few frames
+off compared over the common prefix, durations compared rounded; the end-to-end proposals on the
+tiny model's split are in tests/unit/test_port_examples.py."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harness.port.init import THRESHOLD, distance, nearest
+
+
+def test_any_axis_order_and_size_one_axes():
+    ref = torch.randn(1, 512, 40, generator=torch.Generator().manual_seed(0))
+    d, note = distance(ref[0].T.numpy()[None, :, :, None], "asr", ref)  # [1, 40, 512, 1]
+    assert d == 0.0 and note == ""
+    assert distance(np.zeros((1, 512, 41, 3), np.float32), "asr", ref) is None  # no layout has its shape
+    assert distance(np.zeros((1, 512, 40), np.int64), "asr", ref) is None  # an integer is no float tensor
+
+
+def test_a_frame_longer_is_compared_over_the_common_prefix():
+    ref = torch.randn(1, 80, generator=torch.Generator().manual_seed(1))  # F0_pred: [1, frames2]
+    longer = torch.cat([ref, torch.randn(1, 2)], dim=1).numpy()  # one frame more (2 per frame)
+    d, note = distance(longer, "F0_pred", ref)
+    assert d == 0.0 and note == "; compared over the common 80 frames2: the artifact has 82, the reference 80"
+    assert distance(torch.cat([ref, torch.randn(1, 10)], dim=1).numpy(), "F0_pred", ref) is None  # 5 frames: no
+
+
+def test_durations_are_compared_rounded_and_the_nearest_tensor_wins():
+    ref = torch.tensor([1, 3, 2, 5, 1])
+    d, note = distance(np.array([[1, 3, 3, 5, 1]]), "pred_dur", ref)
+    assert 0 < d < THRESHOLD and note == "; 1 of 5 durations differ (by at most 1 frame(s))"
+    assert distance(np.array([1.0, 3.2, 1.9, 5.0, 1.0]), "pred_dur", ref) is None  # a float is no integer tensor
+    f0, n = torch.randn(1, 30), torch.randn(1, 30)
+    assert [name for _, name, _ in nearest((n * 1.001).numpy(), {"F0_pred": f0, "N_pred": n})] == ["N_pred", "F0_pred"]
