@@ -32,3 +32,23 @@ def test_durations_are_compared_rounded_and_the_nearest_tensor_wins():
     assert distance(np.array([1.0, 3.2, 1.9, 5.0, 1.0]), "pred_dur", ref) is None  # a float is no integer tensor
     f0, n = torch.randn(1, 30), torch.randn(1, 30)
     assert [name for _, name, _ in nearest((n * 1.001).numpy(), {"F0_pred": f0, "N_pred": n})] == ["N_pred", "F0_pred"]
+
+
+def test_audio_with_its_own_noise_is_compared_by_its_envelope():
+    g = torch.Generator().manual_seed(2)
+    loud = torch.linspace(0.1, 1.0, 12).repeat_interleave(600)
+    ref, own = loud * torch.randn(7200, generator=g), loud * torch.randn(7200, generator=g)  # two noise draws
+    d, note = distance(own[None].numpy(), "audio", ref[None])
+    assert d < 0.2 and note.startswith("; by its amplitude envelope (frame RMS; sample by sample 1.4"), (d, note)
+
+
+def test_an_output_far_from_every_reference_stays_unknown_with_its_nearest():
+    from harness.port.init import Values, output_guesses
+
+    g = torch.Generator().manual_seed(3)
+    refs = {"F0_pred": torch.randn(1, 30, generator=g), "N_pred": torch.randn(1, 30, generator=g)}
+    near, far = (refs["F0_pred"] * 1.01).numpy(), torch.randn(1, 30, generator=g).numpy()
+    known, unknown = output_guesses([near, far], Values("c", None, refs))
+    assert known.tensor == "F0_pred" and known.why.startswith("by value: rel. L2 1.0e-02 against Kokoro's F0_pred on case c")
+    assert unknown.tensor is None and unknown.why.startswith("nearest: "), unknown
+    assert unknown.distance > THRESHOLD
