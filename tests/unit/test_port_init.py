@@ -52,3 +52,10 @@ def test_an_output_far_from_every_reference_stays_unknown_with_its_nearest():
     assert known.tensor == "F0_pred" and known.why.startswith("by value: rel. L2 1.0e-02 against Kokoro's F0_pred on case c")
     assert unknown.tensor is None and unknown.why.startswith("nearest: "), unknown
     assert unknown.distance > THRESHOLD
+
+
+def test_a_gain_or_a_sign_flip_still_maps_and_says_so():
+    ref = torch.randn(1, 512, 20, generator=torch.Generator().manual_seed(4))
+    d, note = distance((-1.5 * ref).numpy(), "asr", ref)
+    assert d < 1e-6 and note == "; after a constant gain x-1.5 (as it is 2.5)", note
+    assert distance(torch.randn(1, 512, 20).numpy(), "asr", ref)[0] > THRESHOLD  # unrelated: far still
