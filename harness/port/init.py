@@ -6,7 +6,8 @@ By value (the default): each stage runs on one case, the first on the case's inp
 on the earlier stages' outputs (an input named like an earlier output takes that output) plus the
 case's inputs and the harness's host glue over them (`chain.glue`: durations -> alignment). Each
 output is proposed as the Kokoro tensor whose float32 reference on that case (the values `port
-check --run` judges against) it is nearest to in relative L2, in any axis order; an input is the
+check --run` judges against) it is nearest to in relative L2, in any axis order (past THRESHOLD:
+noise-dependent audio by its envelope, a float tensor up to a constant gain); an input is the
 tensor that fed it, chosen among those its declared shape and dtype take by whose outputs come
 nearest the reference. An export's own names (`/encoder/MatMul_1_output_0`) carry nothing, so
 names and ranks cannot tell F0 from N; values can.
@@ -25,8 +26,8 @@ import torch
 
 from . import tensors
 from ..backends.prebuilt import PrebuiltBackend, describe, run_artifact
-from ..reference import CASE_INPUTS
 from ..model import SAMPLES_PER_FRAME
+from ..reference import CASE_INPUTS
 from ..steps import FRAME_UNITS
 from .chain import from_artifact, glue, to_artifact
 from .onnx_stages import _best_layout, _rel, envelope
