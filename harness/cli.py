@@ -39,6 +39,9 @@ def _item_commands(sub) -> None:
     p.add_argument("paths", nargs="+")
     p.add_argument("--out", type=Path, default=Path("port.yaml"), help="init: where to write (default port.yaml)")
     p.add_argument("--run", action="store_true", help="check: then run the port on the cases")
+    p.add_argument("--no-run", action="store_true",
+                   help="init: guess by the declared names, ranks and dtypes only; by default each stage runs "
+                        "on the first --case (default en_short) and each tensor is mapped by value")
     options.add_argparse(p, options.PORTS)
     p = sub.add_parser("bisect", help="run one item; if it fails, find the first diverging module and op, "
                                       "and write a standalone repro to <report-dir>/repro/<item>/")

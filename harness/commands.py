@@ -21,7 +21,7 @@ from .merge import merge_shards
 from .metrics import fmt
 from .model import load_model
 from .plumbing import cache
-from .port.init import write_port
+from .port.init import INIT_CASE, case_values, write_port
 from .port.portfile import PortError, load_port
 from .precision.islands import patches_for
 from .precision.search import search, targets_for, verify, write_keep_list
@@ -92,7 +92,8 @@ def cmd_check(args) -> int:
 
 def cmd_port(args) -> int:
     if args.action == "init":
-        out = write_port([Path(a) for a in args.paths], args.out)
+        values, reason = (None, "--no-run") if args.no_run else _init_values(args)
+        out = write_port([Path(a) for a in args.paths], args.out, values, reason)
         print(f"wrote {out}: confirm every line marked `# guess: confirm`, then `kokoro-parity port check {out}`")
         return 0
 
@@ -107,6 +108,22 @@ def cmd_port(args) -> int:
     print(f"{port.source}: {len(port.stages)} stage(s) "
           f"({' -> '.join(s.name for s in port.stages)}): valid")
     return _run_ports(args, [args.paths[0]]) if args.run else 0
+
+
+def _init_values(args):
+    """`port init`'s case (the first --case, default en_short) and its references: (Values, "") or,
+    when they cannot be had, (None, why) and the file is guessed by name."""
+    case = (args.case or [INIT_CASE])[0]
+    config = dataclasses.replace(_config(args), case_ids=(case,))
+    session = Session.from_config(config)
+    try:
+        return case_values(session.traces(case)), ""
+    except Exception as e:  # noqa: BLE001 - no weights, no such case: by name, saying why
+        why = f"no reference on case {case}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        print(f"kokoro-parity: warning: {why}; guessing by name", file=sys.stderr)
+        return None, why
+    finally:
+        session.close()
 
 
 def cmd_bisect(args) -> int:

@@ -236,27 +236,119 @@ def test_module_captures_are_taken_before_generator_mutates_them(tiny):
     assert captures[(refs[1], "float64")].dtype == torch.float64
 
 
+@pytest.fixture(scope="module")
+def three(tiny, tmp_path_factory):
+    """The 3-stage split of the tiny case, exported once for the module: its port file."""
+    return _export(tiny, "kokoro-3stage", tmp_path_factory.mktemp("three"))
+
+
+def _on_tiny(session) -> list[str]:
+    """`port init`'s options that run the stages on the tiny case of the random model."""
+    return ["--weights=random:0", "--cases-dir", str(session.report_dir.parent / "cases"), "--case", "tiny"]
+
+
+def _mapping(path):
+    return [(s.name, {k: v.tensor for k, v in (*s.inputs.items(), *s.outputs.items())}) for s in load_port(path).stages]
+
+
 @pytest.mark.slow
-def test_the_3stage_split_port_init_and_check(tiny, tmp_path):
+def test_the_3stage_split_port_init_and_check(tiny, three, tmp_path):
     """`port init` on the 3-stage artifacts guesses every mapping (the example's own); confirmed,
     `port check` accepts it, and the exported chain passes stage by stage."""
     from harness.cli import main
     from harness.verdict import Verdict
 
-    port = _export(tiny, "kokoro-3stage", tmp_path / "three")
-    written = tmp_path / "three" / "guessed.yaml"
-    onnx_files = [str(tmp_path / "three" / f"{s}.onnx") for s in ("duration", "prosody", "decoder")]
-    assert main(["port", "init", *onnx_files, "--out", str(written)]) == 0
+    port = three
+    written = port.parent / "guessed.yaml"
+    onnx_files = [str(port.parent / f"{s}.onnx") for s in ("duration", "prosody", "decoder")]
+    assert main(["port", "init", *onnx_files, "--out", str(written), *_on_tiny(tiny)]) == 0
     text = written.read_text()
     assert "FIXME" not in text and text.count("# guess: confirm") >= 17, text
     assert "noise: inputs  # guess: confirm (the vocoder's noise is an input: rand_ini, sine_noise)" in text
-    confirmed = re.sub(r"  # guess: confirm.*", "", text).replace("name: three", "name: kokoro-3stage")
+    confirmed = re.sub(r"  # guess: confirm.*", "", text).replace(f"name: {port.parent.name}", "name: kokoro-3stage")
     written.write_text(confirmed)
     assert main(["port", "check", str(written)]) == 0
-    def mapping(path):
-        return [(s.name, {k: v.tensor for k, v in (*s.inputs.items(), *s.outputs.items())}) for s in load_port(path).stages]
-
-    assert mapping(written) == mapping(port)  # the guesses are the example's own mapping
+    assert _mapping(written) == _mapping(port)  # the guesses are the example's own mapping
 
     rec, rows = _run(tiny, port)
     assert rec.verdict is Verdict.PASS and all(r["local_ok"] and r["chained_ok"] for r in rows.values()), rec.reason
+
+
+# ---- `port init` by value: an export's own tensor names -------------------------------------------
+
+# The prosody and decoder stages of the 3-stage split under an exporter's names (one cut: an output
+# of the first stage and the input of the second that it feeds share a name), as a port cut from one
+# graph carries them: names, ranks and dtypes say nothing (F0 and N are both [1, frames2] float).
+FOREIGN = {
+    "prosody": {"d": "onnx::MatMul_0", "aln": "onnx::MatMul_1", "s_pred": "onnx::Gemm_7",
+                "input_ids": "onnx::Gather_3", "input_lengths": "onnx::Cast_4", "text_mask": "onnx::Not_5",
+                "F0_pred": "/encoder/Squeeze_3_output_0", "N_pred": "/encoder/Squeeze_4_output_0",
+                "asr": "/encoder/MatMul_1_output_0"},
+    "decoder": {"asr": "/encoder/MatMul_1_output_0", "F0_pred": "/encoder/Squeeze_3_output_0",
+                "N_pred": "/encoder/Squeeze_4_output_0", "s_dec": "onnx::Conv_123", "rand_ini": "onnx::Add_9",
+                "sine_noise": "onnx::Mul_10", "audio": "/decoder/Squeeze_output_0"},
+}
+
+
+def _rename(src: Path, dst: Path, names: dict[str, str]) -> Path:
+    """A copy of an ONNX with its graph inputs and outputs renamed (every reference to them too)."""
+    import onnx
+
+    model = onnx.load(str(src))
+    g = model.graph
+    inner = {x for n in g.node for x in (*n.input, *n.output)} | {i.name for i in g.initializer}
+    assert not inner & set(names.values()), "a foreign name is already the graph's"
+    for v in (*g.input, *g.output, *g.value_info):
+        v.name = names.get(v.name, v.name)
+    for n in g.node:
+        n.input[:] = [names.get(x, x) for x in n.input]
+        n.output[:] = [names.get(x, x) for x in n.output]
+    onnx.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.slow
+def test_port_init_maps_an_exports_own_names_by_value(tiny, three, tmp_path):
+    """Two stages whose every input and output has an exporter's name: `port init` runs them on the
+    tiny case and proposes each one's Kokoro tensor by value (F0 apart from N, s_pred apart from
+    s_dec), each with its distance; `port check` accepts the file as written."""
+    from harness.backends.prebuilt import describe
+    from harness.cli import main
+
+    files = [_rename(three.parent / f"{stage}.onnx", tmp_path / f"{stage}.onnx", names)
+             for stage, names in FOREIGN.items()]
+    written = tmp_path / "port.yaml"
+    assert main(["port", "init", *map(str, files), "--out", str(written), *_on_tiny(tiny)]) == 0
+    text = written.read_text()
+    print(text)
+    assert "FIXME" not in text and "by name" not in text, text
+    expected = [(stage, {new: old for old, new in names.items()
+                         if new in {p.name for p in (*describe(f)[0], *describe(f)[1])}})
+                for (stage, names), f in zip(FOREIGN.items(), files)]
+    assert _mapping(written) == expected, text
+    assert "F0_pred  # guess: confirm (by value: rel. L2" in text and "against Kokoro's F0_pred on case tiny" in text
+    assert "noise: inputs  # guess: confirm" in text
+    assert main(["port", "check", str(written)]) == 0
+
+
+def test_port_init_a_stage_that_cannot_run_is_guessed_by_name(tiny, tmp_path):
+    """A stage no case tensor fits (a static [3, 5, 7] input) is guessed by name, the comment saying
+    why; `--no-run` guesses every stage by name."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from harness.cli import main
+
+    graph = helper.make_graph([helper.make_node("Identity", ["F0"], ["audio"])], "odd",
+                              [helper.make_tensor_value_info("F0", TensorProto.FLOAT, [3, 5, 7])],
+                              [helper.make_tensor_value_info("audio", TensorProto.FLOAT, [3, 5, 7])])
+    path = tmp_path / "odd.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    written = tmp_path / "port.yaml"
+    assert main(["port", "init", str(path), "--out", str(written), *_on_tiny(tiny)]) == 0
+    text = written.read_text()
+    why = "not run: input 'F0': no Kokoro tensor on case tiny fits its declared float32 [3, 5, 7]"
+    assert f"F0: F0_pred  # guess: confirm (by name; {why}" in text, text
+    assert f"audio: audio  # guess: confirm (by name; {why}" in text, text
+    assert main(["port", "init", str(path), "--out", str(written), "--no-run"]) == 0
+    assert "F0: F0_pred  # guess: confirm (by name; --no-run; declared float32 [3, 5, 7]" in written.read_text()
