@@ -331,6 +331,7 @@ def test_port_init_maps_an_exports_own_names_by_value(tiny, three, tmp_path):
     assert main(["port", "check", str(written)]) == 0
 
 
+@pytest.mark.slow  # the tiny session's references (the module's fixture) take minutes alone
 def test_port_init_a_stage_that_cannot_run_is_guessed_by_name(tiny, tmp_path):
     """A stage no case tensor fits (a static [3, 5, 7] input) is guessed by name, the comment saying
     why; `--no-run` guesses every stage by name."""
