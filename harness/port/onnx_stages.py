@@ -782,7 +782,7 @@ def localize_item(session, item, rec, log=print) -> None:
     """`--bisect` on a port item: localize inside each ONNX stage of a whole-model port."""
     from .portfile import open_port
 
-    port = open_port(item.spec)
+    port = open_port(item.spec, getattr(item, "runtime", "native"))
     stage = port.stages[0]
     path = stage.file_for(port.root)
     if path.suffix.lower() != ".onnx" or len(port.stages) != 1:
@@ -792,4 +792,7 @@ def localize_item(session, item, rec, log=print) -> None:
         return
     tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
     localize(session, path, item.case, rec, tol, session.report_dir / "runs" / item.id / "localize", log)
+    from .onnx_steps import native_localization
+
+    native_localization(rec, stage.runtime, log)
     rec.write(session.report_dir / "records")
