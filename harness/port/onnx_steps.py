@@ -316,20 +316,6 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     return rec.bisect
 
 
-# what `--bisect` says of an item whose file ran on another runtime (`--artifact-runtime ort-web-*`)
-NATIVE_LOCALIZATION = ("localized on onnxruntime CPU: the browser run is judged, the stages are cut and run "
-                       "natively")
-
-
-def native_localization(rec, runtime: str, log) -> None:
-    """Say, in the record and the output, that an item judged on `runtime` was localized on onnxruntime CPU."""
-    if runtime != "native" and isinstance(rec.bisect, dict) and "error" not in rec.bisect:
-        rec.bisect["runtime"] = "onnxruntime CPU"
-        rec.bisect["judged_on"] = runtime
-        rec.bisect["note"] = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
-        log(rec.bisect["note"])
-
-
 def localize_artifact_item(session, item, rec, log=print, runtime: str = "native") -> dict:
     """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
     other format is judged whole, with the reason in `rec.bisect`. Rewrites the record. An item
@@ -360,6 +346,8 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = "native
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
         localize_step(session, path, item.case, item.step, rec.audit["input_mapping"], rec, tol,
                       session.report_dir / "runs" / item.id / "localize", variant, log)
+        from .onnx_stages import native_localization
+
         native_localization(rec, runtime, log)
     rec.write(session.report_dir / "records")
     return rec.bisect
