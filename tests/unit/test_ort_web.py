@@ -254,13 +254,22 @@ def _user_step_onnx(session, path: Path, fault: bool = False) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def user_onnx(tiny, tmp_path_factory):
+    """(clean, faulty) user ONNX files of the tiny model's bert_encoder, its case's references made
+    (the module's session cost, shared: minutes on a busy 2-core machine, not the tests' own)."""
+    tiny.traces("tiny")
+    out = tmp_path_factory.mktemp("user_onnx")
+    return _user_step_onnx(tiny, out / "mine.onnx"), _user_step_onnx(tiny, out / "mine_bad.onnx", fault=True)
+
+
 def _show(rec) -> str:
     m = rec.metrics["d_en"]
     return (f"{rec.item_id}: {rec.verdict.value}, rel L2 {m['rel_l2']:.3g} vs the fp32 floor {m['floor_rel_l2']:.3g} "
             f"(x{m['floor_ratio']:.3g})")
 
 
-def test_a_users_step_onnx_runs_in_the_browser_with_artifact_runtime_and_a_fault_fails(tiny, tmp_path):
+def test_a_users_step_onnx_runs_in_the_browser_with_artifact_runtime_and_a_fault_fails(tiny, user_onnx, monkeypatch):
     """`--artifact bert_encoder=mine.onnx --artifact-runtime native --artifact-runtime ort-web-wasm`:
     one item per runtime (distinct ids), the browser's run judged like the native one, its record
     naming the runtime, onnxruntime-web, the browser and the nodes each provider ran; the same file
@@ -270,7 +279,7 @@ def test_a_users_step_onnx_runs_in_the_browser_with_artifact_runtime_and_a_fault
     from harness import options, pipeline
     from harness.verdict import Verdict
 
-    clean = _user_step_onnx(tiny, tmp_path / "mine.onnx")
+    clean, bad = user_onnx
     parser = argparse.ArgumentParser()
     options.add_argparse(parser, options.RUN)
     args = parser.parse_args([f"--artifact=bert_encoder={clean}", "--artifact-runtime=native",
@@ -292,13 +301,30 @@ def test_a_users_step_onnx_runs_in_the_browser_with_artifact_runtime_and_a_fault
     assert "runtime" not in native.audit and "browser" not in native.audit  # onnxruntime CPU, in Python
     assert web.metrics["d_en"]["rel_l2"] < 1e-5
 
-    bad = _user_step_onnx(tiny, tmp_path / "mine_bad.onnx", fault=True)
-    from harness.artifacts import ArtifactItem, check_artifact
+    from harness.artifacts import ArtifactItem
 
-    failed = check_artifact(tiny, ArtifactItem("tiny", "bert_encoder", str(bad), "dynamic", "ort-web-wasm"))
+    # --bisect: the browser's run is the verdict; the stages are cut and run on onnxruntime CPU, and it says
+    # so. bert_encoder (one Linear) has no module inside to cut, so the localizer's run is stood in for here:
+    # what is checked is that the browser item reaches it with the user's file, and what the record says
+    from harness.port import onnx_steps
+
+    cut = []
+
+    def stand_in(session, artifact, case_id, step, mapping, rec, *args, **kwargs):
+        cut.append(artifact)
+        rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), "step": step, "stages": []}
+        return rec.bisect
+
+    monkeypatch.setattr(onnx_steps, "localize_step", stand_in)
+    lines: list[str] = []
+    failed = pipeline.check(tiny, ArtifactItem("tiny", "bert_encoder", str(bad), "dynamic", "ort-web-wasm"),
+                            options.Localize(), log=lines.append)
     print(_show(failed))
     assert failed.verdict is Verdict.FAIL and failed.audit["runtime"] == "ort-web-wasm", failed.reason
     assert 0.49 < failed.metrics["d_en"]["rel_l2"] < 0.51  # 1.5x: half of the reference's norm
+    assert cut == [bad]
+    assert failed.bisect["runtime"] == "onnxruntime CPU" and failed.bisect["judged_on"] == "ort-web-wasm"
+    assert any(line.startswith("localized on onnxruntime CPU: the browser run is judged") for line in lines), lines
 
 
 def test_an_unavailable_browser_runtime_skips_a_users_onnx_with_the_install_command(tiny, tmp_path, monkeypatch):
@@ -306,7 +332,7 @@ def test_an_unavailable_browser_runtime_skips_a_users_onnx_with_the_install_comm
     from harness.backends.prebuilt import PrebuiltBackend
     from harness.verdict import Verdict
 
-    path = _user_step_onnx(tiny, tmp_path / "mine.onnx")
+    path = _user_step_onnx(tiny, tmp_path / "mine.onnx")  # SKIPPED before its references are needed
     monkeypatch.setenv("KOKORO_PARITY_WEB_DIR", str(tmp_path))  # a web/ where npm ci never ran
     rec = check_artifact(tiny, ArtifactItem("tiny", "bert_encoder", str(path), "dynamic", "ort-web-webgpu"))
     assert rec.verdict is Verdict.SKIPPED and rec.audit["runtime"] == "ort-web-webgpu", rec.reason
@@ -337,3 +363,31 @@ def test_a_port_stage_names_its_runtime_and_a_browser_runtime_on_a_pte_is_one_er
     with pytest.raises(PortError, match=r"stage 'synth', field 'runtime': unknown runtime 'webgl'; runtimes: "
                                         r"native, ort-web-wasm, ort-web-webgpu$"):
         load_port(port("whole.onnx", "webgl"))
+
+
+def test_a_whole_model_onnx_gets_one_item_per_runtime(tmp_path):
+    """`--artifact e2e=model.onnx --artifact-runtime native --artifact-runtime ort-web-webgpu`: two
+    items, ids with the runtime, the stage of the second's port on the browser runtime."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from harness.port.chain import port_items
+    from harness.port.portfile import open_port
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["style", "speed"], ["waveform"])], "whole",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "tokens"]),
+         helper.make_tensor_value_info("style", TensorProto.FLOAT, [1, 256]),
+         helper.make_tensor_value_info("speed", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("waveform", TensorProto.FLOAT, [1, "samples"])])
+    model = tmp_path / "kokoro.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(model))
+    session = type("S", (), {"cases": {"tiny": None}})()
+    items = port_items(session, [f"e2e={model}"], runtimes=("native", "ort-web-webgpu"))
+    assert [i.id for i in items] == ["tiny-e2e-artifact-kokoro_onnx-dynamic",
+                                     "tiny-e2e-artifact-kokoro_onnx@ort-web-webgpu-dynamic"]
+    assert not any(i.error for i in items)
+    assert open_port(items[1].spec, items[1].runtime).stages[0].runtime == "ort-web-webgpu"
+    (tmp_path / "kokoro.pte").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"--artifact e2e=.*kokoro.pte: runtime 'ort-web-wasm' runs ONNX files"):
+        port_items(session, [f"e2e={tmp_path / 'kokoro.pte'}"], runtimes=("ort-web-wasm",))
