@@ -327,6 +327,27 @@ def test_a_users_step_onnx_runs_in_the_browser_with_artifact_runtime_and_a_fault
     assert any(line.startswith("localized on onnxruntime CPU: the browser run is judged") for line in lines), lines
 
 
+def test_a_port_stage_with_runtime_ort_web_wasm_runs_in_the_browser(tiny, user_onnx, tmp_path):
+    """A port file's stage with `runtime: ort-web-wasm`: the chain runs its artifact in the page; the
+    record's port audit and run audit name the runtime and the browser."""
+    from harness import pipeline
+    from harness.port.chain import port_items
+    from harness.verdict import Verdict
+
+    clean, _ = user_onnx
+    (tmp_path / "port.yaml").write_text(
+        f"name: web_encoder\nstages:\n  - name: encoder\n    artifact: {clean}\n    runtime: ort-web-wasm\n"
+        f"    inputs: {{bert_dur: bert_dur}}\n    outputs: {{d_en: d_en}}\n")
+    [item] = port_items(tiny, [str(tmp_path / "port.yaml")])
+    rec = pipeline.check(tiny, item)
+    row = rec.stages[0]["outputs"]["d_en"]["local"]
+    print(f"{rec.item_id}: {rec.verdict.value}, rel L2 {row['rel_l2']:.3g} vs the fp32 floor {row['floor_rel_l2']:.3g}")
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rec.audit["port"]["stages"][0]["runtime"] == "ort-web-wasm" and rec.audit["runtime"] == "ort-web-wasm"
+    assert "HeadlessChrome" in rec.audit["browser"]["user_agent"]
+    assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0
+
+
 def test_an_unavailable_browser_runtime_skips_a_users_onnx_with_the_install_command(tiny, tmp_path, monkeypatch):
     from harness.artifacts import ArtifactItem, check_artifact
     from harness.backends.prebuilt import PrebuiltBackend
