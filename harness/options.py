@@ -118,9 +118,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
 # Which options each face takes: a run of items (pytest, `run`, `nightly`), a whole-model file or a
 # port file (`check`, `port`), one item bisected (`bisect`).
 RUN = ("backend", "case", "cases_dir", "mode", "weights", "report_dir", "profile", "with_patch", "no_workaround",
-       "time_limit", "memory_limit", "target", "targets_file", "reuse_runs", "reuse_only", "artifact", "artifact_runtime",
-       "etrecord",
-       "port", "rewrite", "noise_k", "bisect", "bisect_depth", "bisect_band_from")
+       "time_limit", "memory_limit", "target", "targets_file", "reuse_runs", "reuse_only", "artifact",
+       "artifact_runtime", "etrecord", "port", "rewrite", "noise_k", "bisect", "bisect_depth", "bisect_band_from")
 PORTS = ("case", "cases_dir", "weights", "report_dir", "profile", "noise_k", "time_limit", "bisect")
 BISECT = ("weights", "report_dir", "profile", "with_patch", "no_workaround", "time_limit", "bisect_depth",
           "bisect_band_from")

@@ -327,6 +327,22 @@ def test_a_users_step_onnx_runs_in_the_browser_with_artifact_runtime_and_a_fault
     assert any(line.startswith("localized on onnxruntime CPU: the browser run is judged") for line in lines), lines
 
 
+def test_a_users_step_onnx_on_ort_web_webgpu_passes_with_its_adapter_or_is_skipped_saying_why(tiny, user_onnx):
+    from harness.artifacts import ArtifactItem, check_artifact
+    from harness.backends.onnxruntime_web import webgpu_missing
+    from harness.verdict import Verdict
+
+    rec = check_artifact(tiny, ArtifactItem("tiny", "bert_encoder", str(user_onnx[0]), "dynamic", "ort-web-webgpu"))
+    why = webgpu_missing()
+    if why:
+        assert rec.verdict is Verdict.SKIPPED and rec.reason == f"runtime ort-web-webgpu: {why}", rec.reason
+        pytest.skip(why)
+    print(_show(rec))
+    assert rec.verdict is Verdict.PASS, rec.reason
+    assert rec.audit["webgpu_adapter"]["vendor"] and rec.audit["ort_web"]["execution_provider"] == "webgpu"
+    assert rec.audit["placement"]["WebGpuExecutionProvider"]["nodes"] > 0
+
+
 def test_a_port_stage_with_runtime_ort_web_wasm_runs_in_the_browser(tiny, user_onnx, tmp_path):
     """A port file's stage with `runtime: ort-web-wasm`: the chain runs its artifact in the page; the
     record's port audit and run audit name the runtime and the browser."""
@@ -392,8 +408,12 @@ def test_a_whole_model_onnx_gets_one_item_per_runtime(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
+    from harness import options
+    from harness.backends.prebuilt import RUNTIMES
     from harness.port.chain import port_items
     from harness.port.portfile import open_port
+
+    assert options.ARTIFACT_RUNTIMES == RUNTIMES  # the faces' choices, spelled where no backend is imported
 
     graph = helper.make_graph(
         [helper.make_node("Mul", ["style", "speed"], ["waveform"])], "whole",
