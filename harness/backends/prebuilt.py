@@ -71,7 +71,8 @@ def runtime_problem(path: str | Path, runtime: str) -> str:
     kind = KINDS.get(Path(path).suffix.lower())
     if runtime != NATIVE and kind != "onnx":
         return (f"runtime {runtime!r} runs ONNX files (onnxruntime-web); {Path(path).name} is a "
-                f"{Path(path).suffix or 'suffix-less'} ({kind or 'unknown'}) artifact, which runs on its native runtime")
+                f"{Path(path).suffix or 'suffix-less'} ({kind or 'unknown'}) artifact, which runs on its native "
+                f"runtime")
     return ""
 
 
