@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backends.prebuilt import KINDS, ArtifactMismatch, Port, kind_of, run_artifact  # noqa: F401
-from .backends.prebuilt import PrebuiltBackend, describe as describe_ports, display_name
+from .backends.prebuilt import NATIVE, PrebuiltBackend, describe as describe_ports, display_name, runtimes_for
 from .patches import canonical
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
@@ -31,10 +31,11 @@ class ArtifactItem:
     step: str
     path: str
     mode: str
+    runtime: str = NATIVE  # `--artifact-runtime`: native, or onnxruntime-web for an ONNX (ort-web-wasm, ...)
 
     @property
     def backend(self) -> str:
-        return display_name(self.path)
+        return display_name(self.path, self.runtime)
 
     @property
     def id(self) -> str:
@@ -53,7 +54,7 @@ class ArtifactItem:
         if self.path.lower().endswith(".pte"):
             localize_pte(session, self, record, etrecord_for(self, list(how.etrecords)), log=log)
         else:
-            localize_artifact_item(session, self, record, log=log)
+            localize_artifact_item(session, self, record, log=log, runtime=self.runtime)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -110,10 +111,10 @@ def map_inputs(ports: list[Port], inputs: dict, where: str = "") -> list[str]:
 def check_artifact(session, item: ArtifactItem):
     """Judge `item.path` against the references of its step: a Record like any backend's, the file
     made ready by the one prebuilt sequence (`Session.prebuilt`) and run in a child process."""
-    backend = PrebuiltBackend(item.path)
+    backend = PrebuiltBackend(item.path, item.runtime)
     rec = session.new_record(item, list(canonical(session.extra_patches)), backend)
     rec.audit = {"artifact": str(backend.path), "kind": backend.kind}
-    ready = session.prebuilt(item.path, rec, session.report_dir / "runs" / item.id)
+    ready = session.prebuilt(item.path, rec, session.report_dir / "runs" / item.id, runtime=item.runtime)
     if ready is None:
         return session.finish(rec)
     traces = session.traces(item.case)
@@ -157,9 +158,11 @@ def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> lis
         return None
 
 
-def artifact_items(session, specs: list[str], modes) -> list[ArtifactItem]:
+def artifact_items(session, specs: list[str], modes, runtimes=(NATIVE,)) -> list[ArtifactItem]:
+    """Items of `--artifact STEP=PATH`: per case, mode and runtime (`--artifact-runtime`) that runs it."""
     items = []
     for spec in specs:
         step, path = parse_spec(spec)
-        items += [ArtifactItem(c, step, path, m) for c in session.cases for m in modes]
+        items += [ArtifactItem(c, step, path, m, r) for r in runtimes_for(spec, path, runtimes)
+                  for c in session.cases for m in modes]
     return items

@@ -32,7 +32,7 @@ def _item_commands(sub) -> None:
     p = sub.add_parser("check", help="judge a whole-model artifact (tokens, style, speed -> audio) on the cases: "
                                      "audio metrics beside their noise band (docs/own-port.md)")
     p.add_argument("path", help=".onnx, .pte, TVM .so or .mlpackage")
-    options.add_argparse(p, options.PORTS)
+    options.add_argparse(p, (*options.PORTS, "artifact_runtime"))
     p = sub.add_parser("port", help="port files: `port init ARTIFACT...` guesses one, `port check PORT.yaml` "
                                     "validates it (--run: and judges it stage by stage)")
     p.add_argument("action", choices=("init", "check"))

@@ -54,6 +54,9 @@ class Option:
         return kw
 
 
+# harness.backends.prebuilt.RUNTIMES (not imported: the faces read this module before any backend)
+ARTIFACT_RUNTIMES = ("native", "ort-web-wasm", "ort-web-webgpu")
+
 WEIGHTS_HELP = ("a Kokoro .pth to load strictly, `hf` (the local Hugging Face cache), `random[:seed]`; default: "
                 "the int8-rebuilt Kokoro-82M v1.0 (env KOKORO_PARITY_WEIGHTS)")
 
@@ -88,6 +91,11 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("--artifact", "judge your own .pte/.onnx/TVM .so/.mlpackage against STEP's references, or a "
                          "whole-model file with e2e=PATH (repeatable; without --backend only these items run)",
            "append", metavar="STEP=PATH"),
+    Option("--artifact-runtime", "what runs each --artifact (repeatable: one item per runtime): native (the file "
+                                 "kind's own runtime, onnxruntime CPU for an .onnx; the default), or for an ONNX "
+                                 "onnxruntime-web in headless Chromium: ort-web-wasm, ort-web-webgpu (docs/web.md; "
+                                 "a port file names a `runtime:` per stage)", "append",
+           choices=ARTIFACT_RUNTIMES, metavar="NAME"),
     Option("--etrecord", "the ETRecord of a .pte artifact (export with generate_etrecord=True): --bisect "
                          "localizes inside the .pte through ExecuTorch's ETDump (default: <artifact>.etrecord "
                          "beside it)", "append", metavar="[STEP=]PATH"),
@@ -110,8 +118,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
 # Which options each face takes: a run of items (pytest, `run`, `nightly`), a whole-model file or a
 # port file (`check`, `port`), one item bisected (`bisect`).
 RUN = ("backend", "case", "cases_dir", "mode", "weights", "report_dir", "profile", "with_patch", "no_workaround",
-       "time_limit", "memory_limit", "target", "targets_file", "reuse_runs", "reuse_only", "artifact", "etrecord",
-       "port", "rewrite", "noise_k", "bisect", "bisect_depth", "bisect_band_from")
+       "time_limit", "memory_limit", "target", "targets_file", "reuse_runs", "reuse_only", "artifact",
+       "artifact_runtime", "etrecord", "port", "rewrite", "noise_k", "bisect", "bisect_depth", "bisect_band_from")
 PORTS = ("case", "cases_dir", "weights", "report_dir", "profile", "noise_k", "time_limit", "bisect")
 BISECT = ("weights", "report_dir", "profile", "with_patch", "no_workaround", "time_limit", "bisect_depth",
           "bisect_band_from")
@@ -150,6 +158,7 @@ class RunConfig:
     steps: tuple[str, ...] | None = None  # None: every step (pytest selects with -k instead)
     modes: tuple[str, ...] = ("dynamic", "static")
     artifacts: tuple[str, ...] = ()  # STEP=PATH and e2e=PATH
+    artifact_runtimes: tuple[str, ...] = ("native",)  # what runs each of them (harness.backends.prebuilt.RUNTIMES)
     ports: tuple[str, ...] = ()  # port files
     rewrites: tuple[str, ...] = ()  # rewrite adapters (harness.rewrite)
 
@@ -181,4 +190,5 @@ class RunConfig:
                    backends=many("backend"), steps=many("step"),
                    modes=("dynamic", "static") if value("mode") == "both" else (value("mode"),),
                    artifacts=tuple(value("artifact")), ports=tuple(value("port")),
+                   artifact_runtimes=tuple(dict.fromkeys(value("artifact_runtime"))) or ("native",),
                    rewrites=tuple(value("rewrite")))

@@ -46,5 +46,7 @@ def items(session, config: RunConfig, backends: list[str]) -> list:
     only_users = (specs or ports or config.rewrites) and not config.backends
     found = [] if only_users else session.items(backends, list(config.steps) if config.steps else None,
                                                 config.modes)
-    return (found + artifact_items(session, specs, config.modes) + port_items(session, ports, config.modes)
+    runtimes = config.artifact_runtimes  # `--artifact-runtime`: what runs each artifact and whole-model file
+    return (found + artifact_items(session, specs, config.modes, runtimes)
+            + port_items(session, ports, config.modes, runtimes)
             + rewrite_items(session, list(config.rewrites)))

@@ -355,7 +355,8 @@ class Session:
         """(a run's directory of the report, numpy files?), its inputs written there. An ONNX
         artifact runs in a child without torch (its import cost more than the run)."""
         run_dir = self.report_dir / "runs" / run_name
-        onnx = getattr(backend, "kind", None) == "onnx" and backend.name.startswith("prebuilt:")
+        onnx = (getattr(backend, "kind", None) == "onnx" and backend.name.startswith("prebuilt:")
+                and getattr(backend, "runtime", "native") == "native")  # a browser runtime: the backend's job
         if write and onnx:
             save_arrays(run_dir / "inputs.npz", [canonical(t).detach().cpu().numpy() for t in inputs])
         elif write:
@@ -380,12 +381,16 @@ class Session:
         rec.audit.update(saved.get("audit") or {})
         return self._outputs(run_dir, onnx), saved
 
-    def prebuilt(self, path, rec: Record, run_dir: Path, tag: str = "", where: str = "") -> "Prebuilt | None":
-        """A user's file made ready to run, the same sequence for an `--artifact`, a port's stage
-        and a whole-model file: available, its declared ports read (once per content and session),
-        copied into the artifact cache (its "compile"), runnable here. None with the record's
-        verdict and reason set (prefixed by `where`) when one of them fails."""
-        backend = PrebuiltBackend(path)
+    def prebuilt(self, path, rec: Record, run_dir: Path, tag: str = "", where: str = "",
+                 runtime: str = "native") -> "Prebuilt | None":
+        """A user's file made ready to run on `runtime` (harness.backends.prebuilt.RUNTIMES), the same
+        sequence for an `--artifact`, a port's stage and a whole-model file: available, its declared
+        ports read (once per content and session), copied into the artifact cache (its "compile"),
+        runnable here. None with the record's verdict and reason set (prefixed by `where`) when one
+        of them fails: a runtime missing here (no Chromium, no WebGPU adapter) is SKIPPED, saying why."""
+        backend = PrebuiltBackend(path, runtime)
+        if runtime != "native":  # the record names where the file ran, even when it could not
+            rec.audit[f"{tag}runtime"] = runtime
         ok, why = backend.available()
         if not ok:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"

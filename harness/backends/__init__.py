@@ -253,9 +253,9 @@ def precision_of(backend: Backend) -> str:
 def get_backend(name: str) -> Backend:
     if name.startswith("prebuilt:"):  # a user's artifact (harness.backends.prebuilt): one per file
         # cycle: prebuilt imports this module
-        from .prebuilt import PREFIX, PrebuiltBackend
+        from .prebuilt import PrebuiltBackend, parse_name
 
-        return PrebuiltBackend(name[len(PREFIX):])
+        return PrebuiltBackend(*parse_name(name))
     refs = registry()
     if name not in refs:
         raise KeyError(f"unknown backend {name!r}; known: {', '.join(sorted(refs))}")

@@ -136,6 +136,23 @@ def placement(log_lines: list[str]) -> dict:
             "ops_without_kernel": dict(sorted(missing.items()))}
 
 
+def browser_missing() -> str:
+    """Why no page can run here (no chromium, no onnxruntime-web in web/node_modules), with the
+    command that installs it; "" when both are there. The backends' and a user's ONNX artifact's
+    (`--artifact-runtime`, harness.backends.prebuilt) one check."""
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} not installed (apt-get install chromium)"
+    if ort_web_version() is None:
+        return f"{NPM_PACKAGE} not installed in {web_dir()}/node_modules (npm ci --prefix web)"
+    return ""
+
+
+def webgpu_missing() -> str:
+    """Why this machine's headless Chromium has no WebGPU adapter, or ""."""
+    adapter = webgpu_adapter()
+    return f"no WebGPU in headless Chromium here: {adapter['error']}" if "error" in adapter else ""
+
+
 def onnx_input_names(path: Path) -> list[str]:
     # heavy runtime: onnx, only where an ONNX file is read
     import onnx
@@ -164,11 +181,8 @@ class OrtWebBackend(Backend):
         ok, why = super().available()
         if not ok:
             return ok, why
-        if not os.path.exists(CHROMIUM):
-            return False, f"{CHROMIUM} not installed (apt-get install chromium)"
-        if ort_web_version() is None:
-            return False, f"{NPM_PACKAGE} not installed in {web_dir()}/node_modules (npm ci --prefix web)"
-        return True, ""
+        why = browser_missing()
+        return not why, why
 
     def version(self) -> str:
         return f"{NPM_PACKAGE}=={ort_web_version()},chromium=={chromium_version()},{super().version()}"
@@ -185,7 +199,11 @@ class OrtWebBackend(Backend):
         return default_drive(page, cfg)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        feed = input_feed(artifact_path, onnx_input_names(artifact_path), inputs)
+        return self.run_feed(artifact_path, input_feed(artifact_path, onnx_input_names(artifact_path), inputs))
+
+    def run_feed(self, artifact_path: Path, feed: dict) -> list:
+        """Run the ONNX file on {graph input name: tensor} in the page; `run_audit` says where it ran.
+        A user's ONNX artifact run here (`--artifact-runtime`) comes through this too."""
         for name, t in feed.items():
             if t.dtype not in DTYPES:
                 raise ValueError(f"input {name}: dtype {t.dtype} has no onnxruntime-web tensor type")
@@ -278,7 +296,5 @@ class OrtWebWebGpuBackend(OrtWebBackend):
     description = "the onnxruntime ONNX file in onnxruntime-web, WebGPU provider, headless Chromium"
 
     def runnable(self) -> tuple[bool, str]:
-        adapter = webgpu_adapter()
-        if "error" in adapter:
-            return False, f"no WebGPU in headless Chromium here: {adapter['error']}"
-        return True, ""
+        why = webgpu_missing()
+        return not why, why

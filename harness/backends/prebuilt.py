@@ -5,6 +5,12 @@ a file goes through the same cache, child-process jobs, records, history and das
 program the harness exports itself. A prebuilt backend is created per artifact (its name is
 `prebuilt:<absolute path>`, which `harness.backends.get_backend` understands), never listed among
 the built-in backends. Heavy runtimes are imported inside the functions that run them.
+
+A file runs on the native runtime of its kind (onnxruntime's CPU provider for an .onnx), or, for an
+ONNX file, on another `runtime` (`--artifact-runtime`, a port stage's `runtime:`): onnxruntime-web's
+WebAssembly or WebGPU provider in headless Chromium (harness.backends.onnxruntime_web), as a web
+port ships it. The runtime is part of the backend's name (`prebuilt:<runtime>@<absolute path>`),
+its version and so of the artifact's cache key, and of the item's id (`artifact-x_onnx@ort-web-wasm`).
 """
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ from typing import Any
 from . import Backend
 
 PREFIX = "prebuilt:"
+NATIVE = "native"  # the runtime of the file's kind (KINDS -> REQUIRES)
+WEB_RUNTIMES = ("ort-web-wasm", "ort-web-webgpu")  # harness.backends.onnxruntime_web's backends
+RUNTIMES = (NATIVE, *WEB_RUNTIMES)
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
          ".mlpackage": "coreml", ".mlmodel": "coreml"}
 REQUIRES = {"onnx": ("onnxruntime", "onnx"), "executorch": ("executorch",), "tvm": ("tvm",),
@@ -48,38 +57,97 @@ def kind_of(path: str | Path) -> str:
     return KINDS[suffix]
 
 
-def display_name(path: str | Path) -> str:
+def display_name(path: str | Path, runtime: str = NATIVE) -> str:
     """The backend column of records and item ids: `artifact-<file name>` (dots made underscores,
-    so that `-k` selects it)."""
-    return "artifact-" + Path(path).name.replace(".", "_")
+    so that `-k` selects it), `@<runtime>` after it when the file runs elsewhere than natively."""
+    return "artifact-" + Path(path).name.replace(".", "_") + ("" if runtime == NATIVE else f"@{runtime}")
+
+
+def runtime_problem(path: str | Path, runtime: str) -> str:
+    """Why `runtime` cannot run the artifact `path` (an unknown runtime, a browser runtime for a file
+    that is not ONNX), or ""."""
+    if runtime not in RUNTIMES:
+        return f"unknown runtime {runtime!r}; runtimes: {', '.join(RUNTIMES)}"
+    kind = KINDS.get(Path(path).suffix.lower())
+    if runtime != NATIVE and kind != "onnx":
+        return (f"runtime {runtime!r} runs ONNX files (onnxruntime-web); {Path(path).name} is a "
+                f"{Path(path).suffix or 'suffix-less'} ({kind or 'unknown'}) artifact, which runs on its native "
+                f"runtime")
+    return ""
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    """`prebuilt:[<runtime>@]<absolute path>` (a PrebuiltBackend's name) -> (path, runtime)."""
+    rest = name[len(PREFIX):]
+    head, sep, tail = rest.partition("@")
+    return (tail, head) if sep and head in WEB_RUNTIMES else (rest, NATIVE)
+
+
+def runtimes_for(spec: str, path: str, runtimes) -> list[str]:
+    """The runtimes asked (`--artifact-runtime`, default native) that run this artifact: a browser
+    runtime runs ONNX files only. ValueError when none does, or a runtime is unknown."""
+    runtimes = list(dict.fromkeys(runtimes or (NATIVE,)))
+    unknown = [r for r in runtimes if runtime_problem(path, r).startswith("unknown runtime")]
+    if unknown:
+        raise ValueError(f"--artifact-runtime {unknown[0]}: {runtime_problem(path, unknown[0])}")
+    fit = [r for r in runtimes if not runtime_problem(path, r)]
+    if not fit:
+        raise ValueError(f"--artifact {spec}: {runtime_problem(path, runtimes[0])} (add --artifact-runtime "
+                         f"{NATIVE} to run it there)")
+    return fit
 
 
 class PrebuiltBackend(Backend):
     description = "a user's prebuilt artifact (compile = copy of the file)"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, runtime: str = NATIVE):
         self.path = Path(path).resolve()
         self.kind = kind_of(self.path)
-        self.name = PREFIX + str(self.path)
-        self.requires = REQUIRES[self.kind]
+        problem = runtime_problem(self.path, runtime)
+        if problem:
+            raise ValueError(f"{self.path}: {problem}")
+        self.runtime = runtime
+        self.name = PREFIX + ("" if runtime == NATIVE else f"{runtime}@") + str(self.path)
+        # a browser runtime reads the ONNX (its input names) and drives Chromium through Playwright
+        self.requires = REQUIRES[self.kind] if runtime == NATIVE else ("onnx", "playwright")
+        self.run_imports = () if runtime == NATIVE else ("playwright.sync_api", "onnx")
         self.artifact_name = "artifact" + self.path.suffix.lower()
         self.run_audit = {}
 
     @property
     def display(self) -> str:
-        return display_name(self.path)
+        return display_name(self.path, self.runtime)
+
+    def web(self):
+        """The onnxruntime-web backend of a browser runtime (its page, its audit of where it ran)."""
+        from . import get_backend
+
+        return get_backend(self.runtime)
 
     def available(self) -> tuple[bool, str]:
         if not self.path.exists():
             return False, f"{self.path} does not exist"
         missing = [p for p in self.requires if importlib.util.find_spec(p) is None]
         if missing:
-            return False, f"package(s) not installed to run a {self.kind} artifact: {', '.join(missing)}"
+            extra = "" if self.runtime == NATIVE else " (pip install -e '.[web]')"
+            return False, f"package(s) not installed to run a {self.kind} artifact: {', '.join(missing)}{extra}"
+        if self.runtime != NATIVE:
+            from .onnxruntime_web import browser_missing
+
+            why = browser_missing()
+            if why:
+                return False, f"runtime {self.runtime}: {why}"
         return True, ""
 
     def runnable(self) -> tuple[bool, str]:
         if self.kind == "coreml" and platform.system() != "Darwin":
             return False, f"Core ML prediction needs macOS (this is {platform.system()})"
+        if self.runtime == "ort-web-webgpu":
+            from .onnxruntime_web import webgpu_missing
+
+            why = webgpu_missing()
+            if why:
+                return False, f"runtime {self.runtime}: {why}"
         return True, ""
 
     def version(self) -> str:
@@ -90,7 +158,12 @@ class PrebuiltBackend(Backend):
         if self.kind == "onnx" and self.path.is_file():  # its side files are part of it
             digest += "".join(f"+{sha256_file(self.path.parent / rel)[:16]}" for rel in external_data(self.path)
                               if (self.path.parent / rel).is_file())
-        return f"{super().version()},file={digest}"
+        where = ""
+        if self.runtime != NATIVE:  # the browser's runtime and the browser: part of the artifact's key
+            from .onnxruntime_web import NPM_PACKAGE, chromium_version, ort_web_version
+
+            where = f",runtime={self.runtime},{NPM_PACKAGE}=={ort_web_version()},chromium=={chromium_version()}"
+        return f"{super().version()}{where},file={digest}"
 
     def artifact_key(self, program_key: str = "") -> str:
         """Keyed by the file's content alone: a prebuilt artifact has no program."""
@@ -113,7 +186,25 @@ class PrebuiltBackend(Backend):
         return {"artifact": str(self.path), "kind": self.kind, **({"external_data": extra} if extra else {})}
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        return run_artifact(artifact_path, inputs)
+        if self.runtime == NATIVE:
+            return run_artifact(artifact_path, inputs)
+        return self.run_in_browser(artifact_path, inputs)
+
+    def run_in_browser(self, artifact_path: Path, inputs: list) -> list:
+        """The file on onnxruntime-web in headless Chromium (harness.backends.onnxruntime_web.run_in_browser):
+        inputs in the file's own order, cast to its declared dtypes as onnxruntime's CPU run casts
+        them; `run_audit` is the browser backends' (onnxruntime-web, browser, adapter, placement)."""
+        import torch
+
+        ins, _ = describe(artifact_path)
+        feed = {}
+        for port, t in zip(ins, inputs):
+            want = getattr(torch, port.dtype, None) if port.dtype else None  # numpy's names are torch's
+            feed[port.name] = t.to(want) if isinstance(want, torch.dtype) else t
+        web = self.web()
+        outputs = web.run_feed(Path(artifact_path), feed)
+        self.run_audit = {"runtime": self.runtime, **web.run_audit}
+        return outputs
 
 
 def external_data(path: Path) -> list[str]:

@@ -35,7 +35,7 @@ from .noise import DIRECTIONS, noise_band, noise_inside, session_k, zero_noise_r
 from .onnx_stages import localize_item
 from .portfile import BUCKET_UNITS, HOST_GLUE, Port, PortError, StageSpec, open_port, resolve_glue
 
-from ..backends.prebuilt import display_name
+from ..backends.prebuilt import display_name, runtimes_for
 from ..metrics.audio import audio_metrics, write_wav
 from ..metrics.tensor import compare_to_floor, error_metrics
 from ..model import SAMPLE_RATE, SAMPLES_PER_FRAME
@@ -56,6 +56,7 @@ class PortItem:
     mode: str = "dynamic"
     error: str = ""  # a port that failed validation: the item reports it (nothing else is lost)
     label: str = ""  # port name (or whole-model artifact's backend name)
+    runtime: str = "native"  # a whole-model file's `--artifact-runtime` (a port file names its stages' own)
 
     @property
     def whole_model(self) -> bool:
@@ -67,7 +68,7 @@ class PortItem:
 
     @property
     def backend(self) -> str:
-        return display_name(self.spec[4:]) if self.whole_model else "port"
+        return display_name(self.spec[4:], self.runtime) if self.whole_model else "port"
 
     @property
     def id(self) -> str:
@@ -84,18 +85,21 @@ class PortItem:
         localize_item(session, self, record, log=log)  # inside each ONNX stage; a repro bundle
 
 
-def port_items(session, specs: list[str], modes=("dynamic",)) -> list[PortItem]:
-    """Items of the ports given (`--port FILE`, `--artifact e2e=PATH`); a port that does not
-    validate gives items that report its error instead of stopping the run."""
+def port_items(session, specs: list[str], modes=("dynamic",), runtimes=("native",)) -> list[PortItem]:
+    """Items of the ports given (`--port FILE`, `--artifact e2e=PATH`, the latter once per runtime
+    of `--artifact-runtime` that runs it); a port that does not validate gives items that report its
+    error instead of stopping the run."""
     items = []
     for spec in specs:
-        try:
-            port = open_port(spec)
-            label, error = port.name, ""
-        except (PortError, ValueError, FileNotFoundError) as e:
-            label, error = Path(spec.partition("=")[2] if spec.startswith("e2e=") else spec).stem, str(e)
-        # one item per case: a port runs the lengths its artifacts take (buckets come from the port file)
-        items += [PortItem(c, spec, "dynamic", error, label) for c in session.cases]
+        whole = spec.startswith("e2e=")
+        for runtime in runtimes_for(spec, spec[4:], runtimes) if whole else ["native"]:
+            try:
+                port = open_port(spec, runtime)
+                label, error = port.name, ""
+            except (PortError, ValueError, FileNotFoundError) as e:
+                label, error = Path(spec.partition("=")[2] if whole else spec).stem, str(e)
+            # one item per case: a port runs the lengths its artifacts take (buckets come from the port file)
+            items += [PortItem(c, spec, "dynamic", error, label, runtime) for c in session.cases]
     return items
 
 
@@ -112,7 +116,7 @@ def run_port_item(session, item: PortItem):
         rec.verdict, rec.reason = Verdict.RUN_ERROR, item.error
         return session.finish(rec)
     try:
-        port = open_port(item.spec)
+        port = open_port(item.spec, item.runtime)
     except (PortError, ValueError, FileNotFoundError) as e:
         rec.verdict, rec.reason = Verdict.RUN_ERROR, str(e)
         return session.finish(rec)
@@ -128,7 +132,7 @@ def port_audit(port: Port) -> dict:
     """What the record says about the port it ran: its stages and their mapping."""
     return {"name": port.name, "source": port.source,
             "stages": [{"name": s.name, "artifact": s.artifact, **({"step": s.step} if s.step else {}),
-                        "precision": s.precision, "noise": s.noise,
+                        "precision": s.precision, "noise": s.noise, "runtime": s.runtime,
                         **({"noise_found": True} if s.name in getattr(port, "found_noise", ()) else {}),
                         "inputs": {k: v.tensor for k, v in s.inputs.items()},
                         "outputs": {k: v.tensor for k, v in s.outputs.items()}} for s in port.stages]}
@@ -675,7 +679,7 @@ def run_stage(session, port: Port, stage: StageSpec, values: dict, rec, item, ro
     bucket = (chosen if isinstance(stage.buckets, dict) else chosen[stage.bucket_unit]) if chosen else None
     path = stage.file_for(port.root, bucket)
     ready = session.prebuilt(path, rec, session.report_dir / "runs" / item.id / f"{stage.name}-{role}", tag,
-                             where=f"stage {stage.name!r} ({path.name}): ")
+                             where=f"stage {stage.name!r} ({path.name}): ", runtime=stage.runtime)
     if ready is None:
         if rec.verdict is Verdict.RUN_ERROR:
             rec.reason = f"port {port.source}, {rec.reason}"

@@ -778,11 +778,25 @@ def write_repro(out: Path, row: dict, ref: dict, path: str, tol) -> str:
     return str(out)
 
 
+# what `--bisect` says of an item whose file ran on another runtime (`--artifact-runtime ort-web-*`)
+NATIVE_LOCALIZATION = ("localized on onnxruntime CPU: the browser run is judged, the stages are cut and run "
+                       "natively")
+
+
+def native_localization(rec, runtime: str, log) -> None:
+    """Say, in the record and the output, that an item judged on `runtime` was localized on onnxruntime CPU."""
+    if runtime != "native" and isinstance(rec.bisect, dict) and "error" not in rec.bisect:
+        rec.bisect["runtime"] = "onnxruntime CPU"
+        rec.bisect["judged_on"] = runtime
+        rec.bisect["note"] = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
+        log(rec.bisect["note"])
+
+
 def localize_item(session, item, rec, log=print) -> None:
     """`--bisect` on a port item: localize inside each ONNX stage of a whole-model port."""
     from .portfile import open_port
 
-    port = open_port(item.spec)
+    port = open_port(item.spec, getattr(item, "runtime", "native"))
     stage = port.stages[0]
     path = stage.file_for(port.root)
     if path.suffix.lower() != ".onnx" or len(port.stages) != 1:
@@ -792,4 +806,5 @@ def localize_item(session, item, rec, log=print) -> None:
         return
     tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
     localize(session, path, item.case, rec, tol, session.report_dir / "runs" / item.id / "localize", log)
+    native_localization(rec, stage.runtime, log)
     rec.write(session.report_dir / "records")

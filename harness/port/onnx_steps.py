@@ -316,9 +316,10 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     return rec.bisect
 
 
-def localize_artifact_item(session, item, rec, log=print) -> dict:
+def localize_artifact_item(session, item, rec, log=print, runtime: str = "native") -> dict:
     """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
-    other format is judged whole, with the reason in `rec.bisect`. Rewrites the record."""
+    other format is judged whole, with the reason in `rec.bisect`. Rewrites the record. An item
+    judged on a browser runtime is localized on onnxruntime CPU, and the record says so."""
     from ..backends.prebuilt import kind_of
 
     path = Path(item.path)
@@ -345,5 +346,8 @@ def localize_artifact_item(session, item, rec, log=print) -> dict:
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
         localize_step(session, path, item.case, item.step, rec.audit["input_mapping"], rec, tol,
                       session.report_dir / "runs" / item.id / "localize", variant, log)
+        from .onnx_stages import native_localization
+
+        native_localization(rec, runtime, log)
     rec.write(session.report_dir / "records")
     return rec.bisect

@@ -7,6 +7,7 @@ work starts and raises ONE `PortError` naming the file, the stage and the field.
       - name: whole
         artifact: kokoro-v1.0.int8.onnx   # relative to this file; or synth_{frames}.onnx + buckets
         precision: int8                   # optional: the profile's `step: int8` overrides apply
+        runtime: ort-web-wasm             # optional: native (default) | ort-web-wasm | ort-web-webgpu (ONNX only)
         noise: own                        # optional: own | inputs | none (found when not given)
         inputs:  {tokens: input_ids, style: ref_s, speed: speed}
         outputs: {audio: audio}           # or {audio: {tensor: audio, dtype: int16}}
@@ -86,6 +87,9 @@ class StageSpec(BaseModel):
     # (`case`: the case file's own bucket); a `step:` stage is bucketed in static mode only
     buckets: list[int] | dict[str, list[int] | Literal["case"]] | None = None
     precision: Literal["float32", "float16", "int8"] = "float32"
+    # what runs the artifact: `native` (the runtime of its kind: onnxruntime CPU for an .onnx) or, for an
+    # ONNX, onnxruntime-web in headless Chromium (harness.backends.prebuilt.RUNTIMES); checked by validate
+    runtime: str = "native"
     # own (draws its own: the noise band) | inputs (noise is an input) | none (draws none); when the
     # file says nothing, found from the stage by load_port (harness.port.noise.stage_noise)
     noise: Literal["own", "inputs", "none"] | None = None
@@ -271,7 +275,8 @@ def _got(v) -> str:
     return f"{what} {text}" if isinstance(v, (list, dict)) else f"{text} ({what})"
 
 
-FIELDS = {"(top)": "name, glue, stages", "stage": "name, artifact, step, buckets, precision, noise, inputs, outputs",
+FIELDS = {"(top)": "name, glue, stages",
+          "stage": "name, artifact, step, buckets, precision, runtime, noise, inputs, outputs",
           "tensor": "tensor, dtype, glue"}
 
 
@@ -342,6 +347,7 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
     available |= set(port.spec.glue)  # the user's host glue computes them
     for stage in port.stages:
         _check_source(port, stage)
+        _check_runtime(port, stage)
         for side, refs in (("inputs", stage.inputs), ("outputs", stage.outputs)):
             for io_name, ref in refs.items():
                 why = tensors.unknown_module(ref.tensor) if tensors.MODULE_REF.match(ref.tensor) else None
@@ -395,6 +401,25 @@ def _check_source(port: Port, stage: StageSpec) -> None:
     if stage.buckets is not None and not isinstance(stage.buckets, dict):
         raise PortError(f"{_where(port.source, stage.name, 'buckets')}: a step stage names the unit of its "
                         f"buckets, e.g. `{{frames: [120, 200]}}` or `{{tokens: case}}`")
+
+
+def _check_runtime(port: Port, stage: StageSpec) -> None:
+    """`runtime:` is one the harness knows, for an artifact whose kind it runs (a browser runtime:
+    ONNX files only); a `step:` stage runs on the item's backend, so names none."""
+    from ..backends.prebuilt import NATIVE, RUNTIMES, runtime_problem
+
+    where = _where(port.source, stage.name, "runtime")
+    if stage.runtime not in RUNTIMES:
+        raise PortError(f"{where}: unknown runtime {stage.runtime!r}; runtimes: {', '.join(RUNTIMES)}")
+    if stage.runtime == NATIVE:
+        return
+    if stage.step is not None:
+        raise PortError(f"{where}: a `step:` stage runs on the item's backend (e.g. --backend {stage.runtime}); "
+                        f"`runtime:` is for an `artifact:`")
+    for f in stage.files(port.root) or [Path(stage.artifact)]:
+        problem = runtime_problem(f, stage.runtime)
+        if problem:
+            raise PortError(f"{where}: {problem}")
 
 
 def _check_glue(port: Port, stage: str | None, field: str, spec: str) -> None:
@@ -540,17 +565,20 @@ def _by_shape(p, side: str, candidates, taken: set[str]) -> str | None:
     return None
 
 
-def whole_model_port(artifact: str | Path) -> Port:
+def whole_model_port(artifact: str | Path, runtime: str = "native") -> Port:
     """The one-stage port of a whole-model artifact (tokens, style, speed in; audio, maybe
     durations out), its mapping guessed from the declared names, ranks and dtypes; a declared
-    input or output that fits nothing is one clear error naming it and what was expected."""
-    from ..backends.prebuilt import describe, kind_of
+    input or output that fits nothing is one clear error naming it and what was expected. Its
+    stage runs on `runtime` (`--artifact-runtime`)."""
+    from ..backends.prebuilt import describe, kind_of, runtime_problem
 
     artifact = Path(artifact).resolve()
     source = f"(whole-model port of {artifact.name})"
     if not artifact.exists():
         raise PortError(f"{source}: {artifact} does not exist")
     kind_of(artifact)
+    if runtime_problem(artifact, runtime):
+        raise PortError(f"{source}, field 'runtime': {runtime_problem(artifact, runtime)}")
     try:
         ins, outs = describe(artifact)
     except Exception as e:  # noqa: BLE001
@@ -572,7 +600,8 @@ def whole_model_port(artifact: str | Path) -> Port:
                         f"{[q.name for q in outs]}")
     precision = "int8" if _is_int8(artifact) else "float32"
     spec = PortSpec(name=artifact.stem.replace(".", "_"), stages=[StageSpec(
-        name="whole", artifact=str(artifact), precision=precision, noise="own", inputs=inputs, outputs=outputs)])
+        name="whole", artifact=str(artifact), precision=precision, runtime=runtime, noise="own", inputs=inputs,
+        outputs=outputs)])
     # a whole model is judged by the noise band (random ops or not; the zero-noise comparison is
     # printed beside it, and `--bisect` finds the graph's noise itself)
     port = Port(spec, artifact.parent, source)
@@ -594,5 +623,6 @@ def _is_int8(artifact: Path) -> bool:
                        "DynamicQuantizeLSTM"})
 
 
-def open_port(spec: str) -> Port:
-    return whole_model_port(spec[4:]) if spec.startswith("e2e=") else load_port(spec)
+def open_port(spec: str, runtime: str = "native") -> Port:
+    """A port file, or `e2e=PATH`'s whole-model port run on `runtime` (a port file names its stages' own)."""
+    return whole_model_port(spec[4:], runtime) if spec.startswith("e2e=") else load_port(spec)
