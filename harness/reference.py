@@ -177,38 +177,90 @@ def cast(inputs: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]
 
 
 def compute_traces(model: LoadedModel, case: Case, steps: tuple[str, ...] | None = None) -> CaseTraces:
+    """Every reference of `steps` (default: all) for one case, computed now."""
+    traces = _chain_traces(model, case, synthesize=not steps or not set(steps) <= set(DURATION_STAGE))
+    traces.io.update(_step_references(model, traces, [s for s in STEPS if not steps or s.name in steps]))
+    return traces
+
+
+def _chain_traces(model: LoadedModel, case: Case, synthesize: bool = True) -> CaseTraces:
+    """Kokoro's chain of one case, the inputs every step's references are forced from."""
     with progress.phase("references: Kokoro's chain", subject=case.id):
-        chain, valid, pred_dur = run_chain(model, case, synthesize=not steps or not set(steps) <= set(DURATION_STAGE))
-    traces = CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
+        chain, valid, pred_dur = run_chain(model, case, synthesize=synthesize)
+    return CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
+
+
+def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step]) -> dict:
+    """The steps' references in both modes and dtypes, each forced from the chain's inputs."""
+    io = {}
     for mode in MODES:
         km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
         km64 = to_float64(copy.deepcopy(km32))
         for dtype, km in (("float32", km32), ("float64", km64)):
-            with progress.phase("references", subject=f"{case.id} {mode} {dtype}") as shown:
-                for step in STEPS:
-                    if steps and step.name not in steps:
-                        continue
+            with progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}") as shown:
+                for step in steps:
                     shown.update(step.name)
-                    base = ({k: chain[k] for k in step.input_names} if mode == "dynamic"
-                            else pad_inputs(step, chain, valid, traces.bucket))
+                    base = ({k: traces.chain[k] for k in step.input_names} if mode == "dynamic"
+                            else pad_inputs(step, traces.chain, traces.valid, traces.bucket))
                     inputs = cast(base, dtype)
                     with torch.no_grad():
                         outputs = as_outputs(step, step.module(km)(*inputs.values()))
-                    traces.io[(step.name, mode, dtype)] = (inputs, outputs)
-    return traces
+                    io[(step.name, mode, dtype)] = (inputs, outputs)
+    return io
+
+
+class StepReferences(dict):
+    """`CaseTraces.io` of a cached case: each step's references computed (or read from the cache)
+    the first time an item asks for them. A run of one small step no longer computes the float64
+    vocoder of both modes first (most of a first run's reference time: the first verdict waited on
+    references it never read), and a case's long static bucket is run only for the steps that need it."""
+
+    def __init__(self, model: LoadedModel, case: Case, traces: CaseTraces):
+        super().__init__()
+        self._model, self._case, self._traces = model, case, traces
+        self._names = {s.name for s in STEPS}
+
+    def _known(self, key) -> bool:
+        return isinstance(key, tuple) and len(key) == 3 and key[0] in self._names and key[1] in MODES \
+            and key[2] in ("float32", "float64")
+
+    def __contains__(self, key) -> bool:
+        return dict.__contains__(self, key) or self._known(key)
+
+    def __missing__(self, key):
+        if not self._known(key):
+            raise KeyError(key)
+        self.update(_cached_step_references(self._model, self._case, self._traces, get_step(key[0])))
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+def _cached_step_references(model: LoadedModel, case: Case, traces: CaseTraces, step: Step) -> dict:
+    key = content_key("traces-step", TRACE_VERSION, model.digest, case.digest, numerics(), step.name)
+
+    def build(tmp):
+        io = _step_references(model, traces, [step])
+        atomic_write(tmp / "io.pt", lambda f: torch.save(io, f))
+
+    entry, _hit = cache.get_or_build("traces", key, build)
+    return torch.load(entry / "io.pt", weights_only=False)
 
 
 def load_traces(model: LoadedModel, case: Case) -> CaseTraces:
-    """Traces of a case, computed once and cached by content (weights, case, torch, trace code)."""
-    key = content_key("traces", TRACE_VERSION, model.digest, case.digest, numerics())
+    """Traces of a case, cached by content (weights, case, torch, trace code): the chain now, each
+    step's references when first read (`StepReferences`)."""
+    key = content_key("traces-chain", TRACE_VERSION, model.digest, case.digest, numerics())
 
     def build(tmp):
-        traces = compute_traces(model, case)
+        traces = _chain_traces(model, case)
         atomic_write(tmp / "traces.pt", lambda f: torch.save(traces.__dict__, f))
 
     entry, _hit = cache.get_or_build("traces", key, build)
-    data = torch.load(entry / "traces.pt", weights_only=False)
-    return CaseTraces(**data)
+    traces = CaseTraces(**torch.load(entry / "traces.pt", weights_only=False))
+    traces.io = StepReferences(model, case, traces)
+    return traces
 
 
 def capture_submodules(module: torch.nn.Module, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
