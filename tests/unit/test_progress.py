@@ -169,6 +169,8 @@ def test_a_first_run_shows_its_phases_in_a_log_and_quiet_shows_none(tmp_path):
     assert "1 passed" in out
     verdict = re.search(r"^tiny-bert_encoder-eager-dynamic: PASS rel \S+ \(\S+x floor\)$", out, re.M)
     assert verdict and verdict.start() < out.index("kokoro-parity summary"), out[-4000:]  # as the item ended
+    # the one step's references were computed, not every step's (the float64 vocoder of both modes)
+    assert len(list((tmp_path / "cache" / "traces").glob("*/io.pt"))) == 1
 
     again = run_pytest(tmp_path, reports="again")  # warm: no export, no lowering to show
     assert "kokoro-parity: running tiny-bert_encoder-eager-dynamic (last" in again
