@@ -1,7 +1,7 @@
 """The plugin end to end: `pytest --backend=xnnpack -k decoder` really exports Kokoro's decoder,
 lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics in both modes; a second run does no
-export and no compile (the cache). In CI the decoder's generator, on the seeded random model and the
-short `tiny` case; the whole decoder on the default model and en_short in `make heavy-tests`."""
+export and no compile (the cache). In CI on the seeded random model and the short `tiny` case (the
+same decoder graph and lowering); on the default model and en_short in `make heavy-tests`."""
 from __future__ import annotations
 
 import json
@@ -26,14 +26,14 @@ def run_pytest(args, report_dir, **env):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env(**env))
 
 
-def check_decoder_records(report_dir, case, step="decoder", audio="audio"):
-    """Both modes of the XNNPACK decoder (or its generator) pass with every metric, a real
-    artifact, the delegate taking every convolution, and the port's patches and drifts recorded."""
+def check_decoder_records(report_dir, case):
+    """Both modes of the XNNPACK decoder pass with every metric, a real artifact, the delegate
+    taking every convolution, and the port's patches and drifts recorded."""
     records = {p.stem: json.loads(p.read_text()) for p in (report_dir / "records").glob("*.json")}
     for mode in ("dynamic", "static"):
-        rec = records[f"{case}-{step}-xnnpack-{mode}"]
+        rec = records[f"{case}-decoder-xnnpack-{mode}"]
         assert rec["verdict"] == "pass", rec["reason"]
-        m = rec["metrics"][audio]
+        m = rec["metrics"]["audio"]
         for key in ("nan_rate", "inf_rate", "max_abs", "mean_abs", "rel_l2", "cosine", "snr_db", "floor_ratio"):
             assert key in m
         assert rec["timings"].get("run_s", 0) > 0 and rec["artifact_bytes"] > 1e6
@@ -41,9 +41,9 @@ def check_decoder_records(report_dir, case, step="decoder", audio="audio"):
         # workaround's float64 statistics (sums, casts of [1, C, 1] tensors) stay outside it
         outside = rec["audit"]["ops_outside_delegate"]
         assert rec["audit"]["delegate_coverage"] > 0.4 and not [op for op in outside if "conv" in op], outside
-        assert "custom_stft" in rec["semantic_patches"] and rec["patch_drift"][audio]["rel_l2"] > 0
-    assert records[f"{case}-{step}-xnnpack-static"]["rewrite_drift"][audio]["rel_l2"] > 0
-    assert records[f"{case}-{step}-eager-dynamic"]["verdict"] == "pass"
+        assert "custom_stft" in rec["semantic_patches"] and rec["patch_drift"]["audio"]["rel_l2"] > 0
+    assert records[f"{case}-decoder-xnnpack-static"]["rewrite_drift"]["audio"]["rel_l2"] > 0
+    assert records[f"{case}-decoder-eager-dynamic"]["verdict"] == "pass"
 
 
 def assert_no_work(second):
@@ -53,22 +53,19 @@ def assert_no_work(second):
 
 
 @pytest.mark.slow
-def test_xnnpack_generator_both_modes_and_golden_on_the_random_model(tmp_path):
+def test_xnnpack_decoder_both_modes_and_golden_on_the_random_model(tmp_path):
     """The tiny case of the seeded random model: its golden data written by `--update-golden` into
-    the user's store, then read back by the second run, which exports and compiles nothing. The
-    decoder's generator (the vocoder: the STFT patches, the InstanceNorms, every convolution kind),
-    not the whole decoder: its 1024-channel blocks made XNNPACK's two lowerings 470 s of CI; the
-    decoder itself is lowered in the heavy twin below."""
+    the user's store, then read back by the second run, which exports and compiles nothing."""
     from harness.cases import write_case
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     args = ["--weights=random:0", f"--cases-dir={tmp_path / 'cases'}", f"--golden-dir={tmp_path / 'golden'}",
-            "--backend=xnnpack", "--backend=eager", "--case=tiny", "-k", "generator or golden"]
+            "--backend=xnnpack", "--backend=eager", "--case=tiny", "-k", "decoder or golden"]
     env = {"KOKORO_PARITY_CACHE": str(shared_references(tmp_path / "cache"))}
     first = run_pytest([*args, "--update-golden"], tmp_path / "reports", **env)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "kokoro-parity summary" in first.stdout
-    check_decoder_records(tmp_path / "reports", "tiny", "generator", "gen_audio")
+    check_decoder_records(tmp_path / "reports", "tiny")
     assert sorted(p.parent.name for p in (tmp_path / "golden").rglob("manifest.json")) == ["dynamic", "static"]
 
     second = run_pytest([*args, "-v"], tmp_path / "reports", **env)
