@@ -22,7 +22,7 @@ from .cases import Case, case_dirs, configured_dirs, load_cases
 from .e2e import run_e2e
 from .metrics.audio import audio_metrics, write_audio
 from .model import SAMPLE_RATE, load_model, load_vocab
-from .backends.prebuilt import PrebuiltBackend, describe_as_json, ports_from_job
+from .backends.prebuilt import NATIVE, PrebuiltBackend, describe_as_json, ports_from_job
 from .patches import PATCHES, canonical as canonical_patches
 from .plumbing import cache, run_cache
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors, size_of
@@ -356,7 +356,7 @@ class Session:
         artifact runs in a child without torch (its import cost more than the run)."""
         run_dir = self.report_dir / "runs" / run_name
         onnx = (getattr(backend, "kind", None) == "onnx" and backend.name.startswith("prebuilt:")
-                and getattr(backend, "runtime", "native") == "native")  # a browser runtime: the backend's job
+                and getattr(backend, "runtime", NATIVE) == NATIVE)  # a browser runtime: the backend's job
         if write and onnx:
             save_arrays(run_dir / "inputs.npz", [canonical(t).detach().cpu().numpy() for t in inputs])
         elif write:
@@ -382,14 +382,14 @@ class Session:
         return self._outputs(run_dir, onnx), saved
 
     def prebuilt(self, path, rec: Record, run_dir: Path, tag: str = "", where: str = "",
-                 runtime: str = "native") -> "Prebuilt | None":
+                 runtime: str = NATIVE) -> "Prebuilt | None":
         """A user's file made ready to run on `runtime` (harness.backends.prebuilt.RUNTIMES), the same
         sequence for an `--artifact`, a port's stage and a whole-model file: available, its declared
         ports read (once per content and session), copied into the artifact cache (its "compile"),
         runnable here. None with the record's verdict and reason set (prefixed by `where`) when one
         of them fails: a runtime missing here (no Chromium, no WebGPU adapter) is SKIPPED, saying why."""
         backend = PrebuiltBackend(path, runtime)
-        if runtime != "native":  # the record names where the file ran, even when it could not
+        if runtime != NATIVE:  # the record names where the file ran, even when it could not
             rec.audit[f"{tag}runtime"] = runtime
         ok, why = backend.available()
         if not ok:

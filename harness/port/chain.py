@@ -35,7 +35,7 @@ from .noise import DIRECTIONS, noise_band, noise_inside, session_k, zero_noise_r
 from .onnx_stages import localize_item
 from .portfile import BUCKET_UNITS, HOST_GLUE, Port, PortError, StageSpec, open_port, resolve_glue
 
-from ..backends.prebuilt import display_name, runtimes_for
+from ..backends.prebuilt import NATIVE, display_name, runtimes_for
 from ..metrics.audio import audio_metrics, write_wav
 from ..metrics.tensor import compare_to_floor, error_metrics
 from ..model import SAMPLE_RATE, SAMPLES_PER_FRAME
@@ -56,7 +56,7 @@ class PortItem:
     mode: str = "dynamic"
     error: str = ""  # a port that failed validation: the item reports it (nothing else is lost)
     label: str = ""  # port name (or whole-model artifact's backend name)
-    runtime: str = "native"  # a whole-model file's `--artifact-runtime` (a port file names its stages' own)
+    runtime: str = NATIVE  # a whole-model file's `--artifact-runtime` (a port file names its stages' own)
 
     @property
     def whole_model(self) -> bool:
@@ -85,14 +85,14 @@ class PortItem:
         localize_item(session, self, record, log=log)  # inside each ONNX stage; a repro bundle
 
 
-def port_items(session, specs: list[str], modes=("dynamic",), runtimes=("native",)) -> list[PortItem]:
+def port_items(session, specs: list[str], modes=("dynamic",), runtimes=(NATIVE,)) -> list[PortItem]:
     """Items of the ports given (`--port FILE`, `--artifact e2e=PATH`, the latter once per runtime
     of `--artifact-runtime` that runs it); a port that does not validate gives items that report its
     error instead of stopping the run."""
     items = []
     for spec in specs:
         whole = spec.startswith("e2e=")
-        for runtime in runtimes_for(spec, spec[4:], runtimes) if whole else ["native"]:
+        for runtime in runtimes_for(spec, spec[4:], runtimes) if whole else [NATIVE]:
             try:
                 port = open_port(spec, runtime)
                 label, error = port.name, ""

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backends.prebuilt import NATIVE
 from ..model import SAMPLES_PER_FRAME
 from .differences import nonfinite
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
@@ -785,7 +786,7 @@ NATIVE_LOCALIZATION = ("localized on onnxruntime CPU: the browser run is judged,
 
 def native_localization(rec, runtime: str, log) -> None:
     """Say, in the record and the output, that an item judged on `runtime` was localized on onnxruntime CPU."""
-    if runtime != "native" and isinstance(rec.bisect, dict) and "error" not in rec.bisect:
+    if runtime != NATIVE and isinstance(rec.bisect, dict) and "error" not in rec.bisect:
         rec.bisect["runtime"] = "onnxruntime CPU"
         rec.bisect["judged_on"] = runtime
         rec.bisect["note"] = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
@@ -796,7 +797,7 @@ def localize_item(session, item, rec, log=print) -> None:
     """`--bisect` on a port item: localize inside each ONNX stage of a whole-model port."""
     from .portfile import open_port
 
-    port = open_port(item.spec, getattr(item, "runtime", "native"))
+    port = open_port(item.spec, getattr(item, "runtime", NATIVE))
     stage = port.stages[0]
     path = stage.file_for(port.root)
     if path.suffix.lower() != ".onnx" or len(port.stages) != 1:

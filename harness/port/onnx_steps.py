@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from ..backends.prebuilt import NATIVE
+from .onnx_stages import native_localization
+
 STAGE_DEPTH = 2  # module levels below the step's module that become stages
 MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `kmodel.`)
 
@@ -316,7 +319,7 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     return rec.bisect
 
 
-def localize_artifact_item(session, item, rec, log=print, runtime: str = "native") -> dict:
+def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE) -> dict:
     """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
     other format is judged whole, with the reason in `rec.bisect`. Rewrites the record. An item
     judged on a browser runtime is localized on onnxruntime CPU, and the record says so."""
@@ -346,8 +349,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = "native
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
         localize_step(session, path, item.case, item.step, rec.audit["input_mapping"], rec, tol,
                       session.report_dir / "runs" / item.id / "localize", variant, log)
-        from .onnx_stages import native_localization
-
         native_localization(rec, runtime, log)
     rec.write(session.report_dir / "records")
     return rec.bisect
