@@ -222,6 +222,10 @@ def _cut_status(row: dict) -> str:
 
 def format_bisect(b: dict) -> str:
     """The bisection's lines under an item's metric table."""
+    if b.get("kind") == "port-chain":  # harness/port/chain_localize.py
+        from .port.chain_localize import chain_lines
+
+        return "\n".join(chain_lines(b))
     if b.get("kind") == "pte-etdump":  # harness/port/pte_stages.py
         from .port.pte_stages import pte_lines
 

@@ -32,7 +32,6 @@ from . import tensors
 from .differences import MAX_SHIFT, difference_kind, nonfinite  # noqa: F401 (the chain's judges use them)
 from .durations import FoundDurations, found_durations, run_with_durations
 from .noise import DIRECTIONS, noise_band, noise_inside, session_k, zero_noise_reference  # noqa: F401
-from .onnx_stages import localize_item
 from .portfile import BUCKET_UNITS, HOST_GLUE, Port, PortError, StageSpec, open_port, resolve_glue
 
 from ..backends.prebuilt import NATIVE, display_name, runtimes_for
@@ -82,7 +81,9 @@ class PortItem:
         return record.verdict.value == "fail"
 
     def localize(self, session, record, how, log) -> None:
-        localize_item(session, self, record, log=log)  # inside each ONNX stage; a repro bundle
+        from .chain_localize import localize_item  # a cycle: it feeds the stages as this module does
+
+        localize_item(session, self, record, log=log)  # inside each stage it can look into; repro bundles
 
 
 def port_items(session, specs: list[str], modes=("dynamic",), runtimes=(NATIVE,)) -> list[PortItem]:

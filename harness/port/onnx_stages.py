@@ -697,8 +697,9 @@ def row_sub(rows: dict, path: str):
 def stage_lines(b: dict) -> list[str]:
     from ..metrics import fmt
 
-    if "step" in b:  # one step's artifact (harness/port/onnx_steps.py)
-        lines = [f"stages inside {Path(b['artifact']).name} (step {b['step']}; {b['names']}):"]
+    if "step" in b or "port_stage" in b:  # one step's artifact, a chain's stage (harness/port/onnx_steps.py)
+        what = f"step {b['step']}" if "step" in b else f"stage {b['port_stage']!r} of a chain"
+        lines = [f"stages inside {Path(b['artifact']).name} ({what}; {b['names']}):"]
     else:
         lines = [f"stages inside {Path(b['artifact']).name} (noise: {b['noise']}; "
                  + ("the artifact's durations differ: the stages after them ran with the reference's durations "
@@ -792,20 +793,3 @@ def native_localization(rec, runtime: str, log) -> None:
         rec.bisect["note"] = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
         log(rec.bisect["note"])
 
-
-def localize_item(session, item, rec, log=print) -> None:
-    """`--bisect` on a port item: localize inside each ONNX stage of a whole-model port."""
-    from .portfile import open_port
-
-    port = open_port(item.spec, getattr(item, "runtime", NATIVE))
-    stage = port.stages[0]
-    path = stage.file_for(port.root)
-    if path.suffix.lower() != ".onnx" or len(port.stages) != 1:
-        rec.bisect = {"error": f"localization inside {path.name} needs a one-stage ONNX port (this is a "
-                               f"{path.suffix} artifact): judged whole"}
-        log(rec.bisect["error"])
-        return
-    tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
-    localize(session, path, item.case, rec, tol, session.report_dir / "runs" / item.id / "localize", log)
-    native_localization(rec, stage.runtime, log)
-    rec.write(session.report_dir / "records")

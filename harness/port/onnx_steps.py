@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 from ..backends.prebuilt import NATIVE
-from .onnx_stages import native_localization
+from ..reference import MODULE_STEPS
+from ..verdict import comparator
+from .onnx_stages import judge_row, native_localization, run_localize_job, stage_lines, write_repro
 
 STAGE_DEPTH = 2  # module levels below the step's module that become stages
 MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `kmodel.`)
@@ -71,6 +73,33 @@ def step_modules(model, step: str, traces, variant: tuple[str, ...] = ()) -> dic
     return {"order": order, "calls": calls, "paths": sorted(p for ps in names.values() for p in ps if p),
             "params": {p for p in order if any(True for _ in modules[p].parameters())},
             "types": {p: type(modules[p]).__name__ for p in order}, "tensor_in": tensor_in, "tensor_out": tensor_out}
+
+
+def model_modules(model, traces) -> dict:
+    """step_modules over the whole model: one hooked run of each step that holds Kokoro's modules
+    (reference.MODULE_STEPS, in the pipeline's order, the generator inside the decoder's), merged."""
+    steps = [s for s in dict.fromkeys(step for _, step in MODULE_STEPS) if s != "generator"]
+    order = {"bert": 0, "bert_encoder": 1, "duration_encoder": 2, "duration": 3, "text_encoder": 4, "f0n": 5}
+    merged: dict = {"order": [], "calls": {}, "paths": set(), "params": set(), "types": {}, "tensor_in": set(),
+                    "tensor_out": set()}
+    for step in sorted(steps, key=lambda s: order.get(s, len(order))):
+        ran = step_modules(model, step, traces)
+        merged["order"] += [p for p in ran["order"] if p not in merged["calls"]]
+        for key in ("calls", "types"):
+            merged[key] = {**ran[key], **merged[key]}
+        for key in ("paths", "params", "tensor_in", "tensor_out"):
+            merged[key] |= set(ran[key])
+    merged["paths"] = sorted(merged["paths"])
+    return merged
+
+
+def reached(ran: dict, placed) -> dict:
+    """`ran` cut to the modules an artifact's nodes are placed in (`placed`: module paths) and
+    the modules around them: the stages of a chain's ONNX that holds part of the model."""
+    inside = set(placed) - {""}
+    inside |= {a for p in inside for a in _ancestors(p)}
+    order = [p for p in ran["order"] if p in inside]
+    return {**ran, "order": order, "params": ran["params"] & set(order)}
 
 
 def _ancestors(path: str) -> list[str]:
@@ -245,44 +274,70 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     """Localize inside one step's ONNX on one case (exact lengths); fills `rec.bisect` with
     onnx_stages' structure, so reports and the dashboard show it as a whole model's. `variant`:
     the item's semantics-changing patches (a port's own STFT), carried by the module references."""
+    traces = session.traces(case_id)
+    ran = step_modules(session.model, step, traces, variant)
+    inputs = traces.inputs(step, "dynamic", "float32")
+    feed = {port: inputs[name].numpy() for port, name in input_mapping.items()}
+    return localize_modules(session, artifact, case_id, ran, feed, rec, tol, run_dir,
+                            {"step": step, "what": f"step {step!r}", "roots": step_roots(ran["order"]),
+                             "repro": f"{case_id}-{step}-{artifact.stem}"}, variant, log)
+
+
+def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dict, rec, tol, run_dir: Path,
+                     where: dict, variant: tuple[str, ...] = (), log=print) -> dict:
+    """The Kokoro modules of `ran` (a hooked run: step_modules, model_modules) with parameters,
+    each judged inside the ONNX fed `feed` (its graph inputs): chained and locally, against the
+    module captures; fills `rec.bisect` (kind `onnx-stages`; `where`: the key naming what was cut,
+    `step` or `port_stage`, its `what` for the errors, the `roots` its node names resolve under and
+    the `repro` bundle's directory name)."""
     import dataclasses
 
     from ..reference import module_captures
-    from ..verdict import comparator
-    from .onnx_stages import judge_row, run_localize_job, stage_lines, write_repro
 
     traces = session.traces(case_id)
-    ran = step_modules(session.model, step, traces, variant)
     stages, skipped = choose_stages(ran)
     if not stages:
-        rec.bisect = {"error": f"step {step!r} has no submodule with parameters below its module: judged whole"}
-        log(rec.bisect["error"])
-        return rec.bisect
+        return _no_stages(rec, f"{where['what']} has no submodule with parameters below its module: judged whole", log)
     try:
         caps = module_captures(session.model, session.cases[case_id],
                                dataclasses.replace(traces, captures={}) if variant else traces,
                                [f"{p}:out" for p in stages] + [f"{p}:in" for p in stages if p in ran["tensor_in"]],
                                variant)
     except ValueError as e:  # a module the harness's steps do not run as a forward
-        rec.bisect = {"error": f"no module references for step {step!r}: {e}"}
-        log(rec.bisect["error"])
-        return rec.bisect
-    inputs = traces.inputs(step, "dynamic", "float32")
-    ref = {"feed": {port: inputs[name].numpy() for port, name in input_mapping.items()},
-           "fp32": {p: caps[(f"{p}:out", "float32")] for p in stages},
+        return _no_stages(rec, f"no module references for {where['what']}: {e}", log)
+    ref = {"feed": feed, "fp32": {p: caps[(f"{p}:out", "float32")] for p in stages},
            # no float64 capture where the float64 reference runs an LSTM packed (no tensor comes out):
            # that stage is judged against float32 with the tolerance alone (a zero floor)
            "fp64": {p: caps.get((f"{p}:out", "float64"), caps[(f"{p}:out", "float32")].double()) for p in stages},
            "fp32_in": {p: [caps[(f"{p}:in", "float32")]] for p in stages if p in ran["tensor_in"]}}
     job_ref = {k: ref[k] for k in ("feed", "fp32", "fp32_in")}
-    job_ref.update(paths=ran["paths"], roots=step_roots(ran["order"]), stages=[(p, ran["types"][p]) for p in stages])
-    log(f"localizing inside {artifact.name} ({len(stages)} modules of step {step}): marking, extracting each ...")
+    job_ref.update(paths=ran["paths"], roots=where["roots"], stages=[(p, ran["types"][p]) for p in stages])
+    log(f"localizing inside {artifact.name} ({len(stages)} modules of {where['what']}): marking, extracting each ...")
     result, rows = run_localize_job(session, "harness.port.onnx_steps:localize_step_job", artifact, job_ref, run_dir)
     if not result.ok:
-        rec.bisect = {"error": f"localization failed: {result.error}"}
-        log(rec.bisect["error"])
-        return rec.bisect
-    check = comparator(tol)
+        return _no_stages(rec, f"localization failed: {result.error}", log)
+    table, first = judge_modules(ran, skipped, rows, ref, caps, comparator(tol))
+    names = result.value["names"] + (f"; references with {'+'.join(variant)}" if variant else "")
+    key = "step" if "step" in where else "port_stage"
+    rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), key: where[key], "names": names,
+                  "stages": table, "unmapped": [e["stage"] for e in table if not e["mapped"]]}
+    if first is not None:
+        rec.bisect["first_stage"] = first
+        rec.bisect["repro"] = write_repro(session.report_dir / "repro" / where["repro"], rows[first], ref, first, tol)
+    for line in stage_lines(rec.bisect):
+        log(line)
+    return rec.bisect
+
+
+def _no_stages(rec, error: str, log) -> dict:
+    rec.bisect = {"error": error}
+    log(error)
+    return rec.bisect
+
+
+def judge_modules(ran: dict, skipped: dict, rows: dict, ref: dict, caps: dict, check) -> tuple[list, str | None]:
+    """The table's rows in the order the modules finish, and the first whose local error leaves
+    its tolerance (a local error under a chain that holds is the cut's, not the module's)."""
     table, first = [], None
     for path in ran["order"]:
         if path in skipped:
@@ -307,16 +362,7 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
             elif local and not local["ok"] and first is None:
                 first = path
         table.append(entry)
-    names = result.value["names"] + (f"; references with {'+'.join(variant)}" if variant else "")
-    rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), "step": step, "names": names,
-                  "stages": table, "unmapped": [e["stage"] for e in table if not e["mapped"]]}
-    if first is not None:
-        rec.bisect["first_stage"] = first
-        rec.bisect["repro"] = write_repro(session.report_dir / "repro" / f"{case_id}-{step}-{artifact.stem}",
-                                          rows[first], ref, first, tol)
-    for line in stage_lines(rec.bisect):
-        log(line)
-    return rec.bisect
+    return table, first
 
 
 def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE) -> dict:

@@ -152,7 +152,7 @@ def localized(tmp_path_factory):
     """The two-defect artifact localized once (shared by the tests below); its verdict (the noise
     band's, `test_port.py`) is not what these tests are about: a failing record stands for it."""
     from harness.port.chain import port_items
-    from harness.port.onnx_stages import localize_item
+    from harness.port.chain_localize import localize_item
     from harness.record import Record
     from harness.verdict import Verdict
     from tests.unit.conftest import tiny_session_at

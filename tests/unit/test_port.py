@@ -532,7 +532,7 @@ def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, cas
 
     from harness.onnx_rebuild import assemble_onnx
     from harness.port.chain import port_items, run_port_item
-    from harness.port.onnx_stages import localize_item
+    from harness.port.chain_localize import localize_item
     from harness.runner import Session
     from harness.verdict import Verdict
 

@@ -274,6 +274,66 @@ def test_the_3stage_split_port_init_and_check(tiny, three, tmp_path):
     assert rec.verdict is Verdict.PASS and all(r["local_ok"] and r["chained_ok"] for r in rows.values()), rec.reason
 
 
+# ---- `--bisect` inside every ONNX stage of a chain ---------------------------------------------------
+
+def _gain_inside(src: Path, dst: Path, node_name: str, gain: float) -> Path:
+    """A copy of an ONNX whose node `node_name`'s output is multiplied by `gain`, the Mul named in
+    that node's scope (so it belongs to the same Kokoro module)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(src))
+    g = model.graph
+    at = next(i for i, n in enumerate(g.node) if n.name == node_name)
+    out = g.node[at].output[0]
+    g.node[at].output[0] = f"{out}_before_defect"
+    g.initializer.append(numpy_helper.from_array(np.array(gain, np.float32), "defect_gain"))
+    g.node.insert(at + 1, helper.make_node("Mul", [f"{out}_before_defect", "defect_gain"], [out],
+                                           name=node_name.rsplit("/", 1)[0] + "/DefectMul"))
+    onnx.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.slow
+def test_bisect_localizes_inside_every_onnx_stage_of_a_chain(tiny, three, tmp_path):
+    """duration | prosody of the 3-stage split, a gain x1.5 inside the prosody stage's
+    `predictor.F0.1.conv1`: `--bisect` localizes inside both stages, names that module in the
+    second stage with its kind, writes its bundle in its own directory, and blames nothing in the
+    clean first stage."""
+    from harness.port.chain_localize import localize_item
+    from harness.report import format_bisect
+    from harness.verdict import Verdict
+
+    shutil.copy(three.parent / "duration.onnx", tmp_path / "duration.onnx")
+    _gain_inside(three.parent / "prosody.onnx", tmp_path / "prosody.onnx", "/F0.1/conv1/Conv", 1.5)
+    text = three.read_text()
+    (tmp_path / "port.yaml").write_text(text[:text.index("  - name: decoder")].replace("kokoro-3stage", "two"))
+    rec, rows = _run(tiny, tmp_path / "port.yaml")
+    assert rec.verdict is Verdict.FAIL and rows["duration"]["local_ok"] and not rows["prosody"]["local_ok"], \
+        rec.reason
+    from harness.port.chain import port_items
+
+    (item,) = port_items(tiny, [str(tmp_path / "port.yaml")])
+    lines = []
+    localize_item(tiny, item, rec, log=lines.append)
+    print("\n".join(lines))
+    b = rec.bisect
+    assert b["kind"] == "port-chain" and set(b["stages"]) == {"duration", "prosody"}, b
+    duration, prosody = b["stages"]["duration"], b["stages"]["prosody"]
+    assert duration["kind"] == "onnx-stages" and "first_stage" not in duration, format_bisect(b)
+    assert sum(e["mapped"] for e in duration["stages"]) >= 3, format_bisect(b)
+    assert prosody["first_stage"] == "predictor.F0.1.conv1", format_bisect(b)
+    row = next(e for e in prosody["stages"] if e["stage"] == "predictor.F0.1.conv1")
+    assert row["local"]["kind"].startswith("constant gain x1.5"), row
+    assert b["defects"] == [{"stage": "prosody", "module": "predictor.F0.1.conv1", "kind": row["local"]["kind"]}]
+    assert "1 defect inside its stages: prosody/predictor.F0.1.conv1 (constant gain x1.5" in rec.reason, rec.reason
+    bundle = Path(prosody["repro"])
+    assert bundle.parent.name == item.id and bundle.name == "prosody", bundle
+    assert {"stage.onnx", "inputs.npz", "expected.npy", "repro.py"} <= {f.name for f in bundle.iterdir()}
+    assert b["repro"] == prosody["repro"]
+    assert "[prosody] " in "\n".join(lines) and "prosody/predictor.F0.1.conv1" in format_bisect(b)
+
+
 # ---- `port init` by value: an export's own tensor names -------------------------------------------
 
 # The prosody and decoder stages of the 3-stage split under an exporter's names (one cut: an output

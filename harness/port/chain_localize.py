@@ -1,0 +1,173 @@
+"""`--bisect` on a port item: localization inside every stage of its chain that can be looked into.
+
+- *A whole-model stage* (tokens, style, speed -> audio: a one-stage port, `--artifact e2e=PATH`):
+  onnx_stages' localization, the record's `bisect` as it always was (kind `onnx-stages`).
+- *A chain's ONNX stage* (Kokoro tensors in and out): the Kokoro modules its node names reach
+  (onnx_steps' placement over the whole model's modules) with parameters, each judged chained
+  (the stage fed the reference's values at its boundary) and locally (its subgraph fed the
+  reference's inputs of the module), as one step's ONNX is (onnx_steps.localize_modules).
+- *Anything else is judged whole*, one line each saying why: a `.pte` (its ETRecord localization
+  covers one step's artifact), a Core ML package or compiled library (no intermediate values), a
+  harness step (its backend's item is localized), a bucketed stage (module references exist for
+  the exact lengths only).
+
+A stage run on onnxruntime-web is localized on onnxruntime CPU (`native_localization`). With more
+than one stage, `bisect` is `{"kind": "port-chain", "stages": {stage: its localization}}`, each
+stage's bundle in its own directory, and the reason lists the defects found inside every stage,
+each named `stage/module`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from ..backends.prebuilt import describe, kind_of
+from .chain import boundary, to_artifact
+from .onnx_stages import localize, native_localization, stage_lines
+from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
+from .portfile import Port, StageSpec, open_port
+from .pte_stages import NO_ETRECORD, pte_lines
+
+WHOLE_MODEL_INPUTS = {"input_ids", "ref_s", "speed"}  # a stage fed only these computes the whole model
+
+
+def localize_item(session, item, rec, log=print) -> None:
+    """Localize inside each stage of a failing port item (harness.pipeline's `localize`); a
+    one-stage port's localization is the record's `bisect` itself. Rewrites the record."""
+    port = open_port(item.spec, item.runtime)
+    found = {}
+    for stage in port.stages:
+        sub = SimpleNamespace(bisect=None, reason="")  # what one stage's localization fills
+        say = log if len(port.stages) == 1 else (lambda line, name=stage.name: log(f"[{name}] {line}"))
+        localize_stage(session, item, port, stage, sub, say)
+        found[stage.name] = sub
+    if len(port.stages) == 1:
+        (sub,) = found.values()
+        rec.bisect, reason = sub.bisect, sub.reason
+    else:
+        rec.bisect = {"kind": "port-chain", "port": port.name, "stages": {n: s.bisect for n, s in found.items()}}
+        defects = chain_defects(rec.bisect)
+        rec.bisect["defects"] = defects
+        reason = (f"{len(defects)} defect{'s' if len(defects) > 1 else ''} inside its stages: " + "; ".join(
+            f"{d['stage']}/{d['module']} ({d['kind']})" for d in defects)) if defects else ""
+        repro = next((b["repro"] for b in rec.bisect["stages"].values() if b.get("repro")), None)
+        if repro:
+            rec.bisect["repro"] = repro  # the first stage's bundle, where the dashboard looks
+        for line in chain_summary(rec.bisect):
+            log(line)
+    if reason:
+        rec.reason = (rec.reason + "; " if rec.reason else "") + reason
+    rec.write(session.report_dir / "records")
+
+
+def localize_stage(session, item, port: Port, stage: StageSpec, rec, log) -> None:
+    """One stage's localization into `rec.bisect` (and its defects into `rec.reason`), or one
+    line saying why the stage is judged whole."""
+    chain = len(port.stages) > 1
+    why = judged_whole(port, stage)
+    if why:
+        rec.bisect = {"error": why}
+        log(why)
+        return
+    path = stage.file_for(port.root)
+    tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
+    run_dir = session.report_dir / "runs" / item.id / "localize"
+    if whole_model(stage):
+        localize(session, path, item.case, rec, tol, run_dir / stage.name if chain else run_dir, log)
+    else:
+        localize_port_stage(session, item, port, stage, path, rec, tol, run_dir / stage.name, log)
+    native_localization(rec, stage.runtime, log)
+
+
+def whole_model(stage: StageSpec) -> bool:
+    return {r.tensor for r in stage.inputs.values()} <= WHOLE_MODEL_INPUTS and \
+        "audio" in {r.tensor for r in stage.outputs.values()}
+
+
+def judged_whole(port: Port, stage: StageSpec) -> str | None:
+    """Why a stage is not looked into, or None."""
+    if stage.step is not None:
+        return (f"stage {stage.name!r} runs the harness step {stage.step!r}: judged whole here (`--bisect` on "
+                f"that step's backend item localizes inside it)")
+    path = port.root / stage.artifact
+    kind = kind_of(path)
+    if kind == "executorch":
+        etrecord = path.with_suffix(".etrecord")
+        return (f"stage {stage.name!r} ({path.name}): not localized: " + (
+            f"{NO_ETRECORD}; a chain's .pte stage takes it beside the file, {etrecord.name}" if not etrecord.is_file()
+            else f"its ETRecord ({etrecord.name}) localizes a .pte judged as one step (--artifact STEP=PATH "
+                 f"--etrecord); inside a chain the stage is judged whole"))
+    if kind != "onnx":
+        return (f"stage {stage.name!r} ({path.name}): a {kind} artifact exposes no intermediate values to the "
+                f"harness: judged whole")
+    if stage.buckets:
+        return (f"stage {stage.name!r} ({path.name}): bucketed; module references exist for the exact lengths "
+                f"only: judged whole")
+    return None
+
+
+def localize_port_stage(session, item, port: Port, stage: StageSpec, path: Path, rec, tol, run_dir: Path,
+                        log) -> dict:
+    """A chain's ONNX stage fed the reference's tensors at its boundary: the Kokoro modules its node
+    names reach, each judged chained and locally (onnx_steps.localize_modules)."""
+    import onnx  # a runtime package (the faces import no runtime)
+
+    traces = session.traces(item.case)
+    ran = model_modules(session.model, traces)
+    roots = step_roots(ran["order"])
+    model = onnx.load(str(path), load_external_data=False)
+    place, _ = step_node_paths(model, ran["paths"], roots)
+    ins, _ = describe(path)
+    feed = {}
+    for i, p in enumerate(ins):
+        ref = stage.inputs.get(p.name) or list(stage.inputs.values())[i]
+        feed[p.name] = to_artifact(boundary(ref.tensor, traces), p, ref.dtype).numpy()
+    where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "roots": roots,
+             "repro": f"{item.id}/{stage.name}"}
+    return localize_modules(session, path, item.case, reached(ran, map(place, model.graph.node)), feed, rec,
+                            tol, run_dir, where, log=log)
+
+
+# ---- the chain's findings --------------------------------------------------------------------------
+
+def stage_defects(b: dict) -> list[tuple[str, str]]:
+    """(module, kind) of every defect one stage's localization found: its ranked defects, or each
+    module whose local error leaves its tolerance (the innermost: a block holding a failing module
+    fails with it) and whose chained value does not hold it (that would be the cut's)."""
+    if b.get("defects"):
+        return [(d["stage"], d["kind"]) for d in b["defects"]]
+    failing = [e for e in b.get("stages") or () if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]
+               and "fed otherwise" not in e.get("note", "")]
+    names = {e["stage"] for e in failing}
+    return [(e["stage"], e["local"]["kind"]) for e in failing
+            if not any(n.startswith(e["stage"] + ".") for n in names)]
+
+
+def chain_defects(b: dict) -> list[dict]:
+    return [{"stage": name, "module": module, "kind": kind}
+            for name, sb in b["stages"].items() for module, kind in stage_defects(sb or {})]
+
+
+def chain_summary(b: dict) -> list[str]:
+    """The chain's last lines: each stage localized or why not, then the defects."""
+    lines = [f"localized inside the chain {b.get('port', '')!r}:"]
+    for name, sb in b["stages"].items():
+        sb = sb or {}
+        lines.append(f"  {name:<16} " + (sb["error"] if "error" in sb else
+                                         f"first stage whose local error leaves its tolerance: "
+                                         f"{sb.get('first_stage', 'none')}"
+                                         + (f"; repro: {sb['repro']}" if sb.get("repro") else "")))
+    if b.get("defects"):
+        lines.append("defects: " + "; ".join(f"{d['stage']}/{d['module']} ({d['kind']})" for d in b["defects"]))
+    return lines
+
+
+def chain_lines(b: dict) -> list[str]:
+    """A chain's localization under its item (report.format_bisect): each stage's table, then the summary."""
+    lines = []
+    for name, sb in b["stages"].items():
+        sb = sb or {}
+        if "stages" in sb:
+            lines.append(f"[{name}]")
+            lines += stage_lines(sb) if sb.get("kind") == "onnx-stages" else pte_lines(sb)
+    return lines + chain_summary(b)
