@@ -6,8 +6,8 @@
   (onnx_steps' placement over the whole model's modules) with parameters, each judged chained
   (the stage fed the reference's values at its boundary) and locally (its subgraph fed the
   reference's inputs of the module), as one step's ONNX is (onnx_steps.localize_modules).
-- *Anything else is judged whole*, one line each saying why: a `.pte` (its ETRecord localization
-  covers one step's artifact), a Core ML package or compiled library (no intermediate values), a
+- *Anything else is judged whole*, one line each saying why: a `.pte` (a port file names no
+  ETRecord; its ETRecord localization covers a `.pte` judged as one step), a Core ML package or compiled library (no intermediate values), a
   harness step (its backend's item is localized), a bucketed stage (module references exist for
   the exact lengths only).
 
@@ -18,6 +18,7 @@ each named `stage/module`.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from .chain import boundary, to_artifact
 from .onnx_stages import localize, native_localization, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
-from .pte_stages import NO_ETRECORD, pte_lines
+from .pte_stages import pte_lines
 
 WHOLE_MODEL_INPUTS = {"input_ids", "ref_s", "speed"}  # a stage fed only these computes the whole model
 
@@ -35,11 +36,12 @@ def localize_item(session, item, rec, log=print) -> None:
     """Localize inside each stage of a failing port item (harness.pipeline's `localize`); a
     one-stage port's localization is the record's `bisect` itself. Rewrites the record."""
     port = open_port(item.spec, item.runtime)
+    modules = functools.cache(lambda: model_modules(session.model, session.traces(item.case)))  # one hooked run
     found = {}
     for stage in port.stages:
         sub = SimpleNamespace(bisect=None, reason="")  # what one stage's localization fills
         say = log if len(port.stages) == 1 else (lambda line, name=stage.name: log(f"[{name}] {line}"))
-        localize_stage(session, item, port, stage, sub, say)
+        localize_stage(session, item, port, stage, sub, say, modules)
         found[stage.name] = sub
     if len(port.stages) == 1:
         (sub,) = found.values()
@@ -60,9 +62,9 @@ def localize_item(session, item, rec, log=print) -> None:
     rec.write(session.report_dir / "records")
 
 
-def localize_stage(session, item, port: Port, stage: StageSpec, rec, log) -> None:
+def localize_stage(session, item, port: Port, stage: StageSpec, rec, log, modules) -> None:
     """One stage's localization into `rec.bisect` (and its defects into `rec.reason`), or one
-    line saying why the stage is judged whole."""
+    line saying why the stage is judged whole; `modules()`: the whole model's (model_modules)."""
     chain = len(port.stages) > 1
     why = judged_whole(port, stage)
     if why:
@@ -75,7 +77,7 @@ def localize_stage(session, item, port: Port, stage: StageSpec, rec, log) -> Non
     if whole_model(stage):
         localize(session, path, item.case, rec, tol, run_dir / stage.name if chain else run_dir, log)
     else:
-        localize_port_stage(session, item, port, stage, path, rec, tol, run_dir / stage.name, log)
+        localize_port_stage(session, item, stage, path, modules(), rec, tol, run_dir / stage.name, log)
     native_localization(rec, stage.runtime, log)
 
 
@@ -92,11 +94,9 @@ def judged_whole(port: Port, stage: StageSpec) -> str | None:
     path = port.root / stage.artifact
     kind = kind_of(path)
     if kind == "executorch":
-        etrecord = path.with_suffix(".etrecord")
-        return (f"stage {stage.name!r} ({path.name}): not localized: " + (
-            f"{NO_ETRECORD}; a chain's .pte stage takes it beside the file, {etrecord.name}" if not etrecord.is_file()
-            else f"its ETRecord ({etrecord.name}) localizes a .pte judged as one step (--artifact STEP=PATH "
-                 f"--etrecord); inside a chain the stage is judged whole"))
+        return (f"stage {stage.name!r} ({path.name}): not localized: a port file names no ETRecord (no field "
+                f"`etrecord:`), and the ETRecord localization covers a .pte judged as one step (--artifact "
+                f"STEP=PATH --etrecord=...): judged whole")
     if kind != "onnx":
         return (f"stage {stage.name!r} ({path.name}): a {kind} artifact exposes no intermediate values to the "
                 f"harness: judged whole")
@@ -106,14 +106,14 @@ def judged_whole(port: Port, stage: StageSpec) -> str | None:
     return None
 
 
-def localize_port_stage(session, item, port: Port, stage: StageSpec, path: Path, rec, tol, run_dir: Path,
+def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, rec, tol, run_dir: Path,
                         log) -> dict:
-    """A chain's ONNX stage fed the reference's tensors at its boundary: the Kokoro modules its node
-    names reach, each judged chained and locally (onnx_steps.localize_modules)."""
+    """A chain's ONNX stage fed the reference's tensors at its boundary: the Kokoro modules of
+    `ran` (model_modules) its node names reach, each judged chained and locally
+    (onnx_steps.localize_modules)."""
     import onnx  # a runtime package (the faces import no runtime)
 
     traces = session.traces(item.case)
-    ran = model_modules(session.model, traces)
     roots = step_roots(ran["order"])
     model = onnx.load(str(path), load_external_data=False)
     place, _ = step_node_paths(model, ran["paths"], roots)

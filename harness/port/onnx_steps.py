@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ..backends.prebuilt import NATIVE
-from ..reference import MODULE_STEPS
+from ..patches import apply_patches
+from ..reference import MODULE_STEPS, REFERENCE_PATCHES
 from ..verdict import comparator
 from .onnx_stages import judge_row, native_localization, run_localize_job, stage_lines, write_repro
 
@@ -37,16 +38,16 @@ MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `km
 
 # ---- the step's modules, from a hooked run ------------------------------------------------------
 
-def step_modules(model, step: str, traces, variant: tuple[str, ...] = ()) -> dict:
+def step_modules(model, step: str, traces, variant: tuple[str, ...] = (), km=None) -> dict:
     """The modules one float32 run of `step` calls: `order` (as they finish), `calls` per path,
     `params` (paths that hold parameters), `types` (class names) and `tensor_in`/`tensor_out` (the
     paths whose first argument / first output is a tensor: what a module capture can hold), under
-    the references' patches and `variant`."""
+    the references' patches and `variant` (`km`: the model already patched so)."""
     from ..patches import apply_patches
     from ..reference import REFERENCE_PATCHES
     from ..steps import get_step
 
-    km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
+    km = km if km is not None else apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
     order, calls, hooks, tensor_in, tensor_out = [], {}, [], set(), set()
     names: dict[int, list[str]] = {}
     for path, sub in km.named_modules(remove_duplicate=False):
@@ -79,11 +80,12 @@ def model_modules(model, traces) -> dict:
     """step_modules over the whole model: one hooked run of each step that holds Kokoro's modules
     (reference.MODULE_STEPS, in the pipeline's order, the generator inside the decoder's), merged."""
     steps = [s for s in dict.fromkeys(step for _, step in MODULE_STEPS) if s != "generator"]
+    km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])  # once: the steps only read it
     order = {"bert": 0, "bert_encoder": 1, "duration_encoder": 2, "duration": 3, "text_encoder": 4, "f0n": 5}
     merged: dict = {"order": [], "calls": {}, "paths": set(), "params": set(), "types": {}, "tensor_in": set(),
                     "tensor_out": set()}
     for step in sorted(steps, key=lambda s: order.get(s, len(order))):
-        ran = step_modules(model, step, traces)
+        ran = step_modules(model, step, traces, km=km)
         merged["order"] += [p for p in ran["order"] if p not in merged["calls"]]
         for key in ("calls", "types"):
             merged[key] = {**ran[key], **merged[key]}

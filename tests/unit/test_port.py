@@ -296,6 +296,30 @@ def test_port_init_writes_a_port_that_check_accepts(tmp_path):
     assert "blob: FIXME  # unknown: map me" in port_text([tmp_path / "odd.onnx"], tmp_path / "p.yaml")
 
 
+def test_bisect_says_why_each_stage_it_cannot_look_into_is_judged_whole(tmp_path):
+    """`--bisect` on a chain: a .pte, a Core ML package, a harness step and a bucketed ONNX stage
+    each get one line saying why; a plain ONNX stage is looked into, a whole-model one as before."""
+    from types import SimpleNamespace
+
+    from harness.port.chain_localize import judged_whole, whole_model
+    from harness.port.portfile import StageSpec
+
+    port = SimpleNamespace(root=tmp_path)
+    io = {"inputs": {"x": "asr"}, "outputs": {"y": "asr"}}
+    lines = {name: judged_whole(port, StageSpec(name=name, **spec, **io)) for name, spec in {
+        "pte": {"artifact": "v.pte"}, "coreml": {"artifact": "v.mlpackage"}, "step": {"step": "decoder"},
+        "bucketed": {"artifact": "v_{frames}.onnx", "buckets": [128]}, "onnx": {"artifact": "v.onnx"}}.items()}
+    assert lines["pte"].startswith("stage 'pte' (v.pte): not localized: a port file names no ETRecord (no field "
+                                   "`etrecord:`)") and lines["pte"].endswith("judged whole"), lines
+    assert "coreml artifact exposes no intermediate values" in lines["coreml"], lines
+    assert "runs the harness step 'decoder'" in lines["step"] and "bucketed" in lines["bucketed"], lines
+    assert all(line.endswith("judged whole") or "judged whole here" in line for n, line in lines.items() if n != "onnx")
+    assert lines["onnx"] is None
+    assert whole_model(StageSpec(name="m", artifact="m.onnx", inputs={"t": "input_ids", "s": "ref_s", "v": "speed"},
+                                 outputs={"a": "audio"}))
+    assert not whole_model(StageSpec(name="v", artifact="v.onnx", **io))
+
+
 def test_difference_kinds():
     from harness.port.chain import difference_kind
 
