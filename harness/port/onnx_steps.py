@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from ..backends.prebuilt import NATIVE
-from ..patches import apply_patches
-from ..reference import MODULE_STEPS, REFERENCE_PATCHES
+from ..patches import apply_patches, provide_noise
+from ..reference import REFERENCE_PATCHES
 from ..verdict import comparator
+from . import tensors
 from .onnx_stages import judge_row, native_localization, run_localize_job, stage_lines, write_repro
 
 STAGE_DEPTH = 2  # module levels below the step's module that become stages
@@ -38,16 +39,31 @@ MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `km
 
 # ---- the step's modules, from a hooked run ------------------------------------------------------
 
-def step_modules(model, step: str, traces, variant: tuple[str, ...] = (), km=None) -> dict:
-    """The modules one float32 run of `step` calls: `order` (as they finish), `calls` per path,
-    `params` (paths that hold parameters), `types` (class names) and `tensor_in`/`tensor_out` (the
-    paths whose first argument / first output is a tensor: what a module capture can hold), under
-    the references' patches and `variant` (`km`: the model already patched so)."""
-    from ..patches import apply_patches
-    from ..reference import REFERENCE_PATCHES
+def step_modules(model, step: str, traces, variant: tuple[str, ...] = ()) -> dict:
+    """The modules one float32 run of `step` calls (hooked_modules), under the references'
+    patches and `variant`."""
     from ..steps import get_step
 
-    km = km if km is not None else apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
+    km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
+    return hooked_modules(km, lambda: get_step(step).module(km)(*traces.inputs(step, "dynamic", "float32").values()))
+
+
+def model_modules(model, traces) -> dict:
+    """The modules one float32 run of the whole model calls (Kokoro's forward_with_tokens on the
+    case, its noise the case's), as hooked_modules gives them: what a chain's stage may hold."""
+    km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+    chain = traces.chain
+
+    def run():
+        with provide_noise({k: chain[k] for k in ("rand_ini", "sine_noise", "source_noise")}):
+            km.forward_with_tokens(chain["input_ids"], tensors.reference("ref_s", traces), float(chain["speed"]))
+    return hooked_modules(km, run)
+
+
+def hooked_modules(km, run) -> dict:
+    """The modules of `km` that `run()` calls: `order` (as they finish), `calls` per path, `params`
+    (paths that hold parameters), `types` (class names) and `tensor_in`/`tensor_out` (the paths
+    whose first argument / first output is a tensor: what a module capture can hold)."""
     order, calls, hooks, tensor_in, tensor_out = [], {}, [], set(), set()
     names: dict[int, list[str]] = {}
     for path, sub in km.named_modules(remove_duplicate=False):
@@ -66,7 +82,7 @@ def step_modules(model, step: str, traces, variant: tuple[str, ...] = (), km=Non
             hooks.append(sub.register_forward_hook(done))
     try:
         with torch.no_grad():
-            get_step(step).module(km)(*traces.inputs(step, "dynamic", "float32").values())
+            run()
     finally:
         for h in hooks:
             h.remove()
@@ -74,25 +90,6 @@ def step_modules(model, step: str, traces, variant: tuple[str, ...] = (), km=Non
     return {"order": order, "calls": calls, "paths": sorted(p for ps in names.values() for p in ps if p),
             "params": {p for p in order if any(True for _ in modules[p].parameters())},
             "types": {p: type(modules[p]).__name__ for p in order}, "tensor_in": tensor_in, "tensor_out": tensor_out}
-
-
-def model_modules(model, traces) -> dict:
-    """step_modules over the whole model: one hooked run of each step that holds Kokoro's modules
-    (reference.MODULE_STEPS, in the pipeline's order, the generator inside the decoder's), merged."""
-    steps = [s for s in dict.fromkeys(step for _, step in MODULE_STEPS) if s != "generator"]
-    km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])  # once: the steps only read it
-    order = {"bert": 0, "bert_encoder": 1, "duration_encoder": 2, "duration": 3, "text_encoder": 4, "f0n": 5}
-    merged: dict = {"order": [], "calls": {}, "paths": set(), "params": set(), "types": {}, "tensor_in": set(),
-                    "tensor_out": set()}
-    for step in sorted(steps, key=lambda s: order.get(s, len(order))):
-        ran = step_modules(model, step, traces, km=km)
-        merged["order"] += [p for p in ran["order"] if p not in merged["calls"]]
-        for key in ("calls", "types"):
-            merged[key] = {**ran[key], **merged[key]}
-        for key in ("paths", "params", "tensor_in", "tensor_out"):
-            merged[key] |= set(ran[key])
-    merged["paths"] = sorted(merged["paths"])
-    return merged
 
 
 def reached(ran: dict, placed) -> dict:
