@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from . import tensors
+from .tensors import to_artifact
 from .differences import MAX_SHIFT, difference_kind, nonfinite  # noqa: F401 (the chain's judges use them)
 from .durations import FoundDurations, found_durations, run_with_durations
 from .noise import DIRECTIONS, noise_band, noise_inside, session_k, zero_noise_reference  # noqa: F401
@@ -618,21 +619,6 @@ def noise_for(name: str, values: dict, traces, user: dict | None = None) -> torc
     frames = int(glue("frame_lengths", values, traces, user)) \
         if ("pred_dur" in values or "duration" in values or "frame_lengths" in (user or {})) else traces.valid.frames
     return full[:, : frames * SAMPLES_PER_FRAME].contiguous()
-
-
-def to_artifact(value: torch.Tensor, port, dtype: str | None) -> torch.Tensor:
-    """A Kokoro tensor in the artifact's convention: its declared rank and dtype."""
-    if port is not None and port.rank is not None:
-        while value.dim() > port.rank and value.shape[0] == 1:
-            value = value[0]
-        while value.dim() < port.rank:
-            value = value.unsqueeze(0)
-    want = dtype or (port.dtype if port is not None else None)
-    if want:
-        if want == "int16" and value.is_floating_point():
-            value = (value * 32767).round().clamp(-32768, 32767)
-        value = value.to(getattr(torch, {"bool": "bool"}.get(want, want)))
-    return value.contiguous()
 
 
 def from_artifact(value: torch.Tensor, name: str, declared_dtype: str | None) -> torch.Tensor:

@@ -23,11 +23,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..backends.prebuilt import describe, kind_of
-from .chain import boundary, to_artifact
 from .onnx_stages import localize, native_localization, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
 from .pte_stages import pte_lines
+from .tensors import reference, to_artifact
 
 WHOLE_MODEL_INPUTS = {"input_ids", "ref_s", "speed"}  # a stage fed only these computes the whole model
 
@@ -121,7 +121,7 @@ def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, 
     feed = {}
     for i, p in enumerate(ins):
         ref = stage.inputs.get(p.name) or list(stage.inputs.values())[i]
-        feed[p.name] = to_artifact(boundary(ref.tensor, traces), p, ref.dtype).numpy()
+        feed[p.name] = to_artifact(reference(ref.tensor, traces, "float32"), p, ref.dtype).numpy()
     where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "roots": roots,
              "repro": f"{item.id}/{stage.name}"}
     return localize_modules(session, path, item.case, reached(ran, map(place, model.graph.node)), feed, rec,

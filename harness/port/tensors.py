@@ -163,3 +163,18 @@ def guess(port_name: str | None, rank: int | None, dtype: str | None, candidates
                     return "duration"
                 return t.name
     return None
+
+
+def to_artifact(value: torch.Tensor, port, dtype: str | None) -> torch.Tensor:
+    """A Kokoro tensor in the artifact's convention: its declared rank and dtype."""
+    if port is not None and port.rank is not None:
+        while value.dim() > port.rank and value.shape[0] == 1:
+            value = value[0]
+        while value.dim() < port.rank:
+            value = value.unsqueeze(0)
+    want = dtype or (port.dtype if port is not None else None)
+    if want:
+        if want == "int16" and value.is_floating_point():
+            value = (value * 32767).round().clamp(-32768, 32767)
+        value = value.to(getattr(torch, {"bool": "bool"}.get(want, want)))
+    return value.contiguous()
