@@ -7,9 +7,9 @@
   (the stage fed the reference's values at its boundary) and locally (its subgraph fed the
   reference's inputs of the module), as one step's ONNX is (onnx_steps.localize_modules).
 - *Anything else is judged whole*, one line each saying why: a `.pte` (a port file names no
-  ETRecord; its ETRecord localization covers a `.pte` judged as one step), a Core ML package or compiled library (no intermediate values), a
-  harness step (its backend's item is localized), a bucketed stage (module references exist for
-  the exact lengths only).
+  ETRecord; its ETRecord localization covers a `.pte` judged as one step), a Core ML package or
+  compiled library (no intermediate values), a harness step (its backend's item is localized), a
+  bucketed stage (module references exist for the exact lengths only).
 
 A stage run on onnxruntime-web is localized on onnxruntime CPU (`native_localization`). With more
 than one stage, `bisect` is `{"kind": "port-chain", "stages": {stage: its localization}}`, each
