@@ -92,6 +92,8 @@ def port_lines(rec: Record) -> list[str]:
         inside = None if len(rec.stages) != 1 else (
             ", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
             if len(b.get("defects") or ()) > 1 else b.get("first_stage"))
+        if b.get("kind") == "port-chain":  # a chain localized inside its stages (harness/port/chain_localize.py)
+            inside = ", ".join(f"{d['stage']}/{d['module']}" for d in b.get("defects") or ()) or None
         for row in rec.stages:
             bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
             stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
@@ -110,7 +112,7 @@ def port_lines(rec: Record) -> list[str]:
         if defects:
             lines.append("defects (local error leaves its floor): " + ", ".join(
                 f"{d} (first)" if i == 0 and len(defects) > 1 else d for i, d in enumerate(defects))
-                + (f"; localized inside it to {inside}" if inside else ""))
+                + (f"; localized inside {'it' if len(rec.stages) == 1 else 'them'} to {inside}" if inside else ""))
     bands = {k: v for k, v in rec.bands.items() if "band" in v}
     if bands:
         rows = [[k, _fmt(v["value"]), f"[{_fmt(v['band'][0])}, {_fmt(v['band'][1])}]", v["direction"],

@@ -320,6 +320,34 @@ def test_bisect_says_why_each_stage_it_cannot_look_into_is_judged_whole(tmp_path
     assert not whole_model(StageSpec(name="v", artifact="v.onnx", **io))
 
 
+def test_a_chains_localization_reads_stage_by_stage_under_the_item():
+    """The record's `bisect` of a chain: each stage's table prefixed by its name, a stage judged
+    whole by its line, the defects named `stage/module` in the summary and the item's table."""
+    from harness.record import Record
+    from harness.report import format_bisect, port_lines
+    from harness.verdict import Verdict
+
+    inside = {"kind": "onnx-stages", "artifact": "/p/prosody.onnx", "port_stage": "prosody", "names": "node names",
+              "stages": [{"stage": "predictor.F0.1.conv1", "what": "Conv1d", "mapped": True,
+                          "local": {"rel_l2": 0.5, "floor_rel_l2": 2e-6, "ok": False, "kind": "constant gain x1.5"},
+                          "chained": {"rel_l2": 0.5, "floor_rel_l2": 2e-6, "ok": False, "kind": "constant gain x1.5"}}],
+              "unmapped": [], "first_stage": "predictor.F0.1.conv1", "repro": "/r/prosody"}
+    b = {"kind": "port-chain", "port": "two", "stages": {"voc": {"error": "stage 'voc' (v.mlpackage): judged whole"},
+                                                         "prosody": inside},
+         "defects": [{"stage": "prosody", "module": "predictor.F0.1.conv1", "kind": "constant gain x1.5"}]}
+    text = format_bisect(b)
+    assert "[prosody]\nstages inside prosody.onnx (stage 'prosody' of a chain; node names):" in text, text
+    assert "  voc              stage 'voc' (v.mlpackage): judged whole" in text, text
+    assert text.endswith("defects: prosody/predictor.F0.1.conv1 (constant gain x1.5)"), text
+    m = {"rel_l2": 0.5, "floor_rel_l2": 2e-6, "ok": False, "kind": "constant gain x1.5"}
+    rec = Record("tiny", "port:two", "port", "dynamic", Verdict.FAIL, "")
+    rec.stages = [{"stage": s, "outputs": {"F0_pred": {"local": m if s == "prosody" else {**m, "ok": True},
+                                                       "chained": m}}} for s in ("voc", "prosody")]
+    rec.bisect = b
+    assert "defects (local error leaves its floor): prosody; localized inside them to prosody/predictor.F0.1.conv1" \
+        in "\n".join(port_lines(rec))
+
+
 def test_difference_kinds():
     from harness.port.chain import difference_kind
 
