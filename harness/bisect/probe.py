@@ -8,7 +8,6 @@ backend's `artifact_key`), so a probe compiled for one fault or item is reused b
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,7 +19,7 @@ from ..metrics.tensor import compare_to_floor
 from ..plumbing import cache
 from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
 from ..plumbing.jobs import JobResult, run_job
-from ..plumbing.worker import WarmWorker
+from ..plumbing.worker import JobProcess
 from .graph import BisectError, evaluate, restore_names
 
 BISECT_VERSION = 7  # bump when carving or exporting probes changes: it invalidates cached probes
@@ -100,7 +99,7 @@ def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list,
 
 
 PROBES_PER_PROCESS = 12  # a worker that lowered this many probes is replaced (its memory grows)
-_WORKER: WarmWorker | None = None
+_WORKER: JobProcess | None = None
 
 
 @contextlib.contextmanager
@@ -109,9 +108,9 @@ def probe_worker():
     runtime's imports each time (coremltools about 8 s, ExecuTorch 6 s) for a compile of a few
     seconds; the worker pays them once. Isolation stays a job's (harness.plumbing.worker): a
     probe that crashes its process or outlives its limit is that probe's outcome, and the next
-    probe starts a new process; so does a change of the environment (a fault switched on)."""
+    probe starts a new process."""
     global _WORKER
-    outer, _WORKER = _WORKER, WarmWorker(max_jobs=PROBES_PER_PROCESS)
+    outer, _WORKER = _WORKER, JobProcess(max_jobs=PROBES_PER_PROCESS)
     try:
         yield
     finally:
@@ -122,11 +121,7 @@ def probe_worker():
 def _probe_job(function: str, kwargs: dict, workdir: Path, timeout: float) -> JobResult:
     if _WORKER is None:
         return run_job(function, kwargs, workdir, timeout)
-    if _WORKER.proc is not None and _WORKER.env != dict(os.environ):
-        _WORKER.stop()
-    result = _WORKER.run_job(function, kwargs, workdir, timeout)
-    result.extra.pop("warm_worker", None)
-    return result
+    return _WORKER.run_job(function, kwargs, workdir, timeout)
 
 
 def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
