@@ -129,6 +129,7 @@ def test_a_job_process_reads_as_a_fresh_child_and_restarts_when_the_environment_
         a = w.run_job(f"{HERE}:pid_job", {"tag": "a"}, tmp_path / "a", timeout=120)
         b = w.run_job(f"{HERE}:pid_job", {"tag": "b"}, tmp_path / "b", timeout=120)
         assert a.ok and b.ok and a.value["pid"] == b.value["pid"] and "warm_worker" not in a.extra
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")  # pytest's own: no restart
         c = w.run_job(f"{HERE}:pid_job", {"tag": "c"}, tmp_path / "c", timeout=120)  # past max_jobs
         monkeypatch.setenv("KOKORO_PARITY_TEST_SWITCH", "on")
         d = w.run_job(f"{HERE}:pid_job", {"tag": "d"}, tmp_path / "d", timeout=120)
