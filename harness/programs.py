@@ -4,10 +4,12 @@ The exported program is the one form every backend takes, and bisection cuts the
 one function names a program (`program_key`) and one gets it (`ensure_program`): the runner and
 the bisection cannot disagree about which program an item has (with two, a bisection after a
 patch edit could run on a stale program). Exporting runs as a job in a child process, so
-a hang or crash inside torch.export is an item's outcome.
+a hang or crash inside torch.export is an item's outcome; a run's exports share one such process
+(`EXPORTER`), which keeps kokoro imported and the model built between them.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import time
 from collections import Counter
@@ -22,9 +24,16 @@ from .patches import affecting, apply_patches, graph_code_digest
 from .plumbing import cache
 from .plumbing.files import atomic_write_json, content_key, save_tensors
 from .plumbing.jobs import JobResult, cached_job
+from .plumbing.worker import JobProcess
 from .steps import get_step
 
 PROGRAM_VERSION = 2  # bump when the export recipe changes: it invalidates cached programs
+# Each export in a fresh child imported kokoro (with transformers' ALBERT) and built the model
+# again, 5-10 s before an export of 5-15 s; this process pays that once per run (and again after
+# a crash, a timeout, a change of the environment or this many exports: its memory grows).
+EXPORTER = JobProcess(max_jobs=16)
+atexit.register(EXPORTER.stop)
+_LOADED: dict = {}  # in the export process: the model each export patches a copy of
 
 
 def program_key(step: str, inputs: dict, patches, model_digest: str) -> tuple[str, list[str]]:
@@ -48,7 +57,7 @@ def ensure_program(weights: str | None, model_digest: str, step: str, inputs: di
             lambda tmp: dict(weights=weights, expected_digest=model_digest, step=step, patches=patches,
                              inputs_path=str(save_tensors(tmp / "inputs.pt", inputs)),
                              out_path=str(tmp / "program.pt2")),
-            counts)
+            counts, runner=EXPORTER.run_job)
     if result is not None and counts is not None:
         counts["exports"] += 1
     return entry, key, result
@@ -56,8 +65,12 @@ def ensure_program(weights: str | None, model_digest: str, step: str, inputs: di
 
 def export_step(weights: str | None, expected_digest: str, step: str, patches: list[str],
                 inputs_path: str, out_path: str) -> dict:
-    """Job function: load the model, patch a copy, export `step` on the saved inputs."""
-    model = load_model(weights)
+    """Job function: load the model (once per export process), patch a copy, export `step` on the
+    saved inputs."""
+    model = _LOADED.get(weights)
+    if model is None or model.digest != expected_digest:  # a weights file edited: read it again
+        _LOADED.clear()
+        model = _LOADED[weights] = load_model(weights)
     if model.digest != expected_digest:
         raise RuntimeError(f"weights changed under the run: digest {model.digest} != {expected_digest}")
     module = get_step(step).module(apply_patches(model.kmodel, patches))

@@ -40,7 +40,7 @@ from ..steps import get_step
 from ..verdict import comparator
 from .graph import (BisectError, StepGraph, evaluate, is_float, is_tensor, module_boundaries, module_path,
                     restore_names, source_line, strip_kmodel)
-from .probe import BISECT_VERSION, Probe, key_metrics, run_probe
+from .probe import BISECT_VERSION, Probe, key_metrics, probe_worker, run_probe
 from .search import first_failing
 
 __all__ = ["BISECTABLE", "BisectError", "Bisector", "StepGraph", "bisect_item", "evaluate", "module_path",
@@ -366,6 +366,10 @@ class Bisector:
 
     # -- the whole localization -----------------------------------------------------------
     def run(self, repro: bool = True, verify: bool = True) -> dict:
+        with probe_worker():  # every probe's compile and run in one process, its imports paid once
+            return self._run(repro, verify)
+
+    def _run(self, repro: bool, verify: bool) -> dict:
         start = time.monotonic()
         out: dict[str, Any] = {"version": BISECT_VERSION, "backend": self.backend.name, "depth": self.depth,
                                "searching": "errors" if self.errors_count else "values"}

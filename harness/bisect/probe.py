@@ -2,10 +2,12 @@
 against the same subprogram's fp32 and fp64 values (torch's noise-floor rule, per node).
 
 Probes go through the same child-process jobs and the same artifact cache as items (keyed by the
-backend's `artifact_key`), so a probe compiled for one fault or item is reused by the next.
+backend's `artifact_key`), so a probe compiled for one fault or item is reused by the next. Inside
+`probe_worker()` (a whole localization) the jobs run one after another in one worker process.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,7 +18,8 @@ import torch
 from ..metrics.tensor import compare_to_floor
 from ..plumbing import cache
 from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
-from ..plumbing.jobs import run_job
+from ..plumbing.jobs import JobResult, run_job
+from ..plumbing.worker import JobProcess
 from .graph import BisectError, evaluate, restore_names
 
 BISECT_VERSION = 7  # bump when carving or exporting probes changes: it invalidates cached probes
@@ -95,6 +98,32 @@ def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list,
     return gm, in_names, inputs, key, entry
 
 
+PROBES_PER_PROCESS = 12  # a worker that lowered this many probes is replaced (its memory grows)
+_WORKER: JobProcess | None = None
+
+
+@contextlib.contextmanager
+def probe_worker():
+    """One process for a localization's probe jobs. A fresh child per probe paid torch's and the
+    runtime's imports each time (coremltools about 8 s, ExecuTorch 6 s) for a compile of a few
+    seconds; the worker pays them once. Isolation stays a job's (harness.plumbing.worker): a
+    probe that crashes its process or outlives its limit is that probe's outcome, and the next
+    probe starts a new process."""
+    global _WORKER
+    outer, _WORKER = _WORKER, JobProcess(max_jobs=PROBES_PER_PROCESS)
+    try:
+        yield
+    finally:
+        _WORKER.stop()
+        _WORKER = outer
+
+
+def _probe_job(function: str, kwargs: dict, workdir: Path, timeout: float) -> JobResult:
+    if _WORKER is None:
+        return run_job(function, kwargs, workdir, timeout)
+    return _WORKER.run_job(function, kwargs, workdir, timeout)
+
+
 def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
                     inputs_path: Path | None = None) -> tuple[str | None, Any, bool]:
     """Compile (through the artifact cache) and run, in child processes; on a cache miss both
@@ -108,14 +137,14 @@ def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
     run_kwargs = dict(backend=backend.name, inputs_path=str(inputs_path or entry / "inputs.pt"),
                       outputs_path=str(outputs_path))
     if cache.lookup("artifacts", key):
-        result = run_job("harness.backends:run_artifact_job",
+        result = _probe_job("harness.backends:run_artifact_job",
                          dict(run_kwargs, artifact_path=str(cache.entry("artifacts", key) / backend.artifact_name)),
                          run_dir, limits.run_s)
         return (None if result.ok else "run"), result, False
     outcome = {}
 
     def build(tmp: Path) -> None:
-        outcome["result"] = run_job("harness.backends:compile_run_job",
+        outcome["result"] = _probe_job("harness.backends:compile_run_job",
                                     dict(run_kwargs, program_path=str(entry / "program.pt2"), out_dir=str(tmp)),
                                     tmp, limits.compile_s + limits.run_s)
         if not (tmp / "compiled.json").exists():
@@ -143,7 +172,7 @@ def compile_only(backend, probe_key: str, entry: Path, limits) -> tuple[str | No
     outcome = {}
 
     def build(tmp: Path) -> None:
-        outcome["result"] = run_job("harness.backends:compile_job",
+        outcome["result"] = _probe_job("harness.backends:compile_job",
                                     dict(backend=backend.name, program_path=str(entry / "program.pt2"),
                                          out_dir=str(tmp)), tmp, limits.compile_s)
         if not outcome["result"].ok:

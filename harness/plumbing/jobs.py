@@ -181,11 +181,13 @@ class _BuildFailed(Exception):
 
 
 def cached_job(kind: str, key: str, function: str, timeout: float, make_kwargs, counts=None,
-               admission_key: str | None = None) -> tuple[Path, JobResult | None]:
+               admission_key: str | None = None, runner=None) -> tuple[Path, JobResult | None]:
     """Run a job whose output directory is a cache entry (`kind`, `key`); nothing is cached when
     the job fails. Returns (entry, None) on a hit, else (entry, the job's result). With
     `admission_key`, the job first waits for the memory its last run peaked at (admission.py).
-    `counts` (a Counter) gets `<kind>_hits` / `<kind>_misses`."""
+    `counts` (a Counter) gets `<kind>_hits` / `<kind>_misses`. `runner`: run_job's stand-in (a
+    worker process's `run_job`)."""
+    run_job_ = runner or run_job
     entry = cache.entry(kind, key)
     if cache.lookup(kind, key):
         if counts is not None:
@@ -195,10 +197,10 @@ def cached_job(kind: str, key: str, function: str, timeout: float, make_kwargs, 
 
     def build(tmp: Path) -> None:
         if admission_key is None:
-            result = run_job(function, make_kwargs(tmp), tmp, timeout)
+            result = run_job_(function, make_kwargs(tmp), tmp, timeout)
         else:
             with admission.admitted(admission_key) as waited:
-                result = run_job(function, make_kwargs(tmp), tmp, timeout)
+                result = run_job_(function, make_kwargs(tmp), tmp, timeout)
             result.extra["admission_wait_s"] = round(waited, 1)
             admission.record_peak_mb(admission_key, result.peak_rss_mb)
         outcome["result"] = result

@@ -174,6 +174,26 @@ def run_spare_job(preload: dict, function: str, kwargs: dict[str, Any], workdir:
     return result
 
 
+def _job_env(env) -> dict[str, str]:
+    """What of an environment a job can see: pytest renames PYTEST_CURRENT_TEST at every phase of
+    every test, which changes nothing a job computes."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+class JobProcess(WarmWorker):
+    """A worker for one kind of heavy job (a localization's probes, a run's exports) that would
+    pay the same imports in every fresh child: torch, kokoro and the model's build, a runtime. Its
+    jobs read as a fresh child's (no `warm_worker` mark); a change of the environment (a fault or
+    a cache switched on between jobs) starts a new process, as a fresh child would have seen it."""
+
+    def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+        if self.proc is not None and _job_env(self.env) != _job_env(os.environ):
+            self.stop()
+        result = super().run_job(function, kwargs, workdir, timeout)
+        result.extra.pop("warm_worker", None)
+        return result
+
+
 def stop_worker() -> None:
     """Stop the warm worker and a waiting spare."""
     global _SPARE

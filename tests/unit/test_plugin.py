@@ -1,7 +1,9 @@
 """The plugin end to end: `pytest --backend=xnnpack -k decoder` really exports Kokoro's decoder,
-lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics in both modes; a second run does no
-export and no compile (the cache). In CI on the seeded random model and the short `tiny` case (the
-same decoder graph and lowering); on the default model and en_short in `make heavy-tests`."""
+lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics; a second run does no export and no
+compile (the cache). In CI on the seeded random model and the short `tiny` case (the same decoder
+graph and lowering), XNNPACK in the static mode and the eager control in the dynamic one (each
+XNNPACK lowering of the decoder costs about 95 s); both modes on both backends, on the default
+model and en_short, in `make heavy-tests`."""
 from __future__ import annotations
 
 import json
@@ -26,11 +28,11 @@ def run_pytest(args, report_dir, **env):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env(**env))
 
 
-def check_decoder_records(report_dir, case):
-    """Both modes of the XNNPACK decoder pass with every metric, a real artifact, the delegate
-    taking every convolution, and the port's patches and drifts recorded."""
+def check_decoder_records(report_dir, case, xnnpack_modes=("dynamic", "static")):
+    """The XNNPACK decoder passes in each mode given with every metric, a real artifact, the
+    delegate taking every convolution, and the port's patches and drifts recorded."""
     records = {p.stem: json.loads(p.read_text()) for p in (report_dir / "records").glob("*.json")}
-    for mode in ("dynamic", "static"):
+    for mode in xnnpack_modes:
         rec = records[f"{case}-decoder-xnnpack-{mode}"]
         assert rec["verdict"] == "pass", rec["reason"]
         m = rec["metrics"]["audio"]
@@ -53,19 +55,23 @@ def assert_no_work(second):
 
 
 @pytest.mark.slow
-def test_xnnpack_decoder_both_modes_and_golden_on_the_random_model(tmp_path):
-    """The tiny case of the seeded random model: its golden data written by `--update-golden` into
-    the user's store, then read back by the second run, which exports and compiles nothing."""
+def test_xnnpack_decoder_and_golden_on_the_random_model(tmp_path):
+    """The tiny case of the seeded random model: its golden data (both modes) written by
+    `--update-golden` into the user's store, then read back by the second run, which exports and
+    compiles nothing. XNNPACK's static item carries both drifts (patches and the static rewrite)."""
     from harness.cases import write_case
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     args = ["--weights=random:0", f"--cases-dir={tmp_path / 'cases'}", f"--golden-dir={tmp_path / 'golden'}",
-            "--backend=xnnpack", "--backend=eager", "--case=tiny", "-k", "decoder or golden"]
+            "--backend=xnnpack", "--backend=eager", "--case=tiny",
+            "-k", "decoder-xnnpack-static or decoder-eager-dynamic or golden"]
     env = {"KOKORO_PARITY_CACHE": str(shared_references(tmp_path / "cache"))}
     first = run_pytest([*args, "--update-golden"], tmp_path / "reports", **env)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "kokoro-parity summary" in first.stdout
-    check_decoder_records(tmp_path / "reports", "tiny")
+    check_decoder_records(tmp_path / "reports", "tiny", xnnpack_modes=("static",))
+    ran = sorted(p.stem for p in (tmp_path / "reports" / "records").glob("tiny-decoder-*.json"))
+    assert ran == ["tiny-decoder-eager-dynamic", "tiny-decoder-xnnpack-static"], ran
     assert sorted(p.parent.name for p in (tmp_path / "golden").rglob("manifest.json")) == ["dynamic", "static"]
 
     second = run_pytest([*args, "-v"], tmp_path / "reports", **env)

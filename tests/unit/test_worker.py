@@ -117,3 +117,22 @@ def test_a_crashing_spare_job_reads_like_a_crashed_child(tmp_path):
     r = worker.run_spare_job({"function": f"{HERE}:slow_preload", "kwargs": {"seconds": 0.0, "mark": "x"}},
                              f"{JOBS}:segfault_job", {}, tmp_path / "s", timeout=120)
     assert r.status == "crashed" and r.error.startswith("child died with signal SIGSEGV")
+
+
+def test_a_job_process_reads_as_a_fresh_child_and_restarts_when_the_environment_changes(tmp_path, monkeypatch):
+    """The probes' and exports' process (JobProcess): jobs share it, leave no warm-worker mark, and
+    a job after the environment changed runs in a new process that sees the change."""
+    from harness.plumbing.worker import JobProcess
+
+    w = JobProcess(max_jobs=2)
+    try:
+        a = w.run_job(f"{HERE}:pid_job", {"tag": "a"}, tmp_path / "a", timeout=120)
+        b = w.run_job(f"{HERE}:pid_job", {"tag": "b"}, tmp_path / "b", timeout=120)
+        assert a.ok and b.ok and a.value["pid"] == b.value["pid"] and "warm_worker" not in a.extra
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")  # pytest's own: no restart
+        c = w.run_job(f"{HERE}:pid_job", {"tag": "c"}, tmp_path / "c", timeout=120)  # past max_jobs
+        monkeypatch.setenv("KOKORO_PARITY_TEST_SWITCH", "on")
+        d = w.run_job(f"{HERE}:pid_job", {"tag": "d"}, tmp_path / "d", timeout=120)
+        assert c.value["pid"] != b.value["pid"] and d.value["pid"] != c.value["pid"]
+    finally:
+        w.stop()
