@@ -307,7 +307,7 @@ def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etr
     from ..steps import get_step
     from ..verdict import comparator
     from .differences import difference_kind
-    from .onnx_stages import _best_layout
+    from .matching import best_layout
 
     events, gaps, handles = dumped["events"], dumped["graph_gaps"], dumped["handles"]
     kmodel = session.model.kmodel
@@ -336,7 +336,7 @@ def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etr
             continue
         event = events[found[path]]
         r32, r64 = captures[(f"{path}:out", "float32")], captures[(f"{path}:out", "float64")]
-        value = torch.as_tensor(_best_layout(event["out"].float().numpy(), r32))
+        value = torch.as_tensor(best_layout(event["out"].float().numpy(), r32))
         m = compare_to_floor(value, r32, r64)
         ok, reason = check(m)
         gap = max((gaps.get(h, math.nan) for h in event["handles"]), default=math.nan)
