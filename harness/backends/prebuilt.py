@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..options import ARTIFACT_RUNTIMES as RUNTIMES
+from ..options import NATIVE_RUNTIME as NATIVE  # the runtime of the file's kind (KINDS -> REQUIRES)
+from ..options import WEB_RUNTIMES  # harness.backends.onnxruntime_web's backends
 from . import Backend
 
 PREFIX = "prebuilt:"
-NATIVE = "native"  # the runtime of the file's kind (KINDS -> REQUIRES)
-WEB_RUNTIMES = ("ort-web-wasm", "ort-web-webgpu")  # harness.backends.onnxruntime_web's backends
-RUNTIMES = (NATIVE, *WEB_RUNTIMES)
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
          ".mlpackage": "coreml", ".mlmodel": "coreml"}
 REQUIRES = {"onnx": ("onnxruntime", "onnx"), "executorch": ("executorch",), "tvm": ("tvm",),
