@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
+from .plumbing import cache
+from .plumbing.files import atomic_write_json
 
 LEDGER = "seconds.json"
 
@@ -80,8 +82,6 @@ _ledger: dict[str, float] | None = None
 
 
 def _ledger_path():
-    from .plumbing import cache
-
     return cache.cache_dir() / "progress" / LEDGER
 
 
@@ -98,9 +98,6 @@ def last_seconds(key: str) -> float | None:
 
 
 def remember_seconds(key: str, seconds: float) -> None:
-    from .plumbing import cache
-    from .plumbing.files import atomic_write_json
-
     global _ledger
     path = _ledger_path()
     try:

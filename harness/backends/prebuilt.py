@@ -24,7 +24,8 @@ from typing import Any
 from ..options import ARTIFACT_RUNTIMES as RUNTIMES
 from ..options import NATIVE_RUNTIME as NATIVE  # the runtime of the file's kind (KINDS -> REQUIRES)
 from ..options import WEB_RUNTIMES  # harness.backends.onnxruntime_web's backends
-from . import Backend
+from . import Backend, get_backend
+from ..plumbing.files import content_key, sha256_file_cached as sha256_file
 
 PREFIX = "prebuilt:"
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
@@ -120,8 +121,6 @@ class PrebuiltBackend(Backend):
 
     def web(self):
         """The onnxruntime-web backend of a browser runtime (its page, its audit of where it ran)."""
-        from . import get_backend
-
         return get_backend(self.runtime)
 
     def available(self) -> tuple[bool, str]:
@@ -151,8 +150,6 @@ class PrebuiltBackend(Backend):
         return True, ""
 
     def version(self) -> str:
-        from ..plumbing.files import sha256_file_cached as sha256_file  # once per file and session
-
         digest = (sha256_file(self.path)[:16] if self.path.is_file() else
                   _tree_digest(self.path) if self.path.is_dir() else "missing")
         if self.kind == "onnx" and self.path.is_file():  # its side files are part of it
@@ -167,8 +164,6 @@ class PrebuiltBackend(Backend):
 
     def artifact_key(self, program_key: str = "") -> str:
         """Keyed by the file's content alone: a prebuilt artifact has no program."""
-        from ..plumbing.files import content_key
-
         return content_key("prebuilt", self.kind, self.version())
 
     def compile(self, program_path: Path, out_dir: Path) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .splits import CONV_POST, DEFECT_KINDS, HAR, export_split, parse_defect
+from ..reference import module_captures
+from ..runner import Session
 
 
 def main(split: str, out: Path, argv=None) -> None:
@@ -32,8 +34,6 @@ def main(split: str, out: Path, argv=None) -> None:
                         "that the converter's gap it closes shows (repeatable; `all`)")
     args = p.parse_args(argv)
 
-    from ..reference import module_captures
-    from ..runner import Session
 
     try:
         defect = parse_defect(args.defect, split)

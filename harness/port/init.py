@@ -32,6 +32,7 @@ from ..steps import FRAME_UNITS
 from .chain import from_artifact, glue, to_artifact
 from .matching import best_layout, by_shape, is_int8, rel_l2
 from .onnx_stages import envelope
+from ..plumbing.files import atomic_write
 
 # Relative L2 above which an output is no Kokoro tensor: left `FIXME` with its nearest. A clean
 # float32 stage is ~1e-6 off, an int8 one a few 1e-2; an unrelated tensor of the same shape ~1.
@@ -388,7 +389,5 @@ def _key(name: str) -> str:
 
 
 def write_port(artifacts: list[Path], out: Path, values: Values | None = None, reason: str = "") -> Path:
-    from ..plumbing.files import atomic_write
-
     text = port_text(artifacts, Path(out), values, reason)
     return atomic_write(out, lambda f: f.write(text.encode()))

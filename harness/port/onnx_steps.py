@@ -26,8 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..backends.prebuilt import NATIVE
-from .onnx_stages import native_localization
+from ..backends.prebuilt import NATIVE, kind_of
+from .onnx_stages import (depends_on_inputs, float_boundaries, judge_row, marked_copy, module_groups,
+                          native_localization, run_localize_job, run_onnx, stage_lines, stage_row, write_repro)
+from ..patches import apply_patches
+from ..reference import REFERENCE_PATCHES, module_captures
+from ..steps import get_step
+from ..verdict import comparator
 
 STAGE_DEPTH = 2  # module levels below the step's module that become stages
 MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `kmodel.`)
@@ -40,10 +45,6 @@ def step_modules(model, step: str, traces, variant: tuple[str, ...] = ()) -> dic
     `params` (paths that hold parameters), `types` (class names) and `tensor_in`/`tensor_out` (the
     paths whose first argument / first output is a tensor: what a module capture can hold), under
     the references' patches and `variant`."""
-    from ..patches import apply_patches
-    from ..reference import REFERENCE_PATCHES
-    from ..steps import get_step
-
     km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
     order, calls, hooks, tensor_in, tensor_out = [], {}, [], set(), set()
     names: dict[int, list[str]] = {}
@@ -222,8 +223,6 @@ def localize_step_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     """Job function (child process): place the nodes, mark, run, extract and run each stage."""
     import onnx
 
-    from .onnx_stages import (depends_on_inputs, float_boundaries, marked_copy, module_groups, run_onnx,
-                              stage_row)
 
     ref = torch.load(reference_path, weights_only=False)
     out = Path(out_dir)
@@ -247,9 +246,6 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     the item's semantics-changing patches (a port's own STFT), carried by the module references."""
     import dataclasses
 
-    from ..reference import module_captures
-    from ..verdict import comparator
-    from .onnx_stages import judge_row, run_localize_job, stage_lines, write_repro
 
     traces = session.traces(case_id)
     ran = step_modules(session.model, step, traces, variant)
@@ -323,8 +319,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
     """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
     other format is judged whole, with the reason in `rec.bisect`. Rewrites the record. An item
     judged on a browser runtime is localized on onnxruntime CPU, and the record says so."""
-    from ..backends.prebuilt import kind_of
-
     path = Path(item.path)
     kind = kind_of(path)
     why = None

@@ -41,6 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from . import tensors
 from .matching import by_shape, family, is_int8
 from .noise import stage_noise
+from ..backends.prebuilt import NATIVE, RUNTIMES, describe, kind_of, runtime_problem
+from ..steps import STAGES, STEPS, get_step
 
 # What the case gives a port's first stage, and what the host glue derives between stages
 # (the harness's own reference code: steps.build_alignment, the matmuls of run_chain).
@@ -376,8 +378,6 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
 def _check_source(port: Port, stage: StageSpec) -> None:
     """`artifact:` or `step:`, not both; a step's inputs and outputs are exactly its own names,
     mapped to Kokoro tensors in Kokoro's own dtypes (the harness exports it)."""
-    from ..steps import STAGES, STEPS, get_step
-
     if (stage.artifact is None) == (stage.step is None):
         raise PortError(f"{_where(port.source, stage.name, 'artifact')}: give either `artifact:` (a prebuilt "
                         f"file) or `step:` (a harness step), not " + ("both" if stage.artifact else "neither"))
@@ -407,8 +407,6 @@ def _check_source(port: Port, stage: StageSpec) -> None:
 def _check_runtime(port: Port, stage: StageSpec) -> None:
     """`runtime:` is one the harness knows, for an artifact whose kind it runs (a browser runtime:
     ONNX files only); a `step:` stage runs on the item's backend, so names none."""
-    from ..backends.prebuilt import NATIVE, RUNTIMES, runtime_problem
-
     where = _where(port.source, stage.name, "runtime")
     if stage.runtime not in RUNTIMES:
         raise PortError(f"{where}: unknown runtime {stage.runtime!r}; runtimes: {', '.join(RUNTIMES)}")
@@ -475,8 +473,6 @@ def _producible(name: str, available: set[str], depth: int = 0) -> bool:
 
 
 def check_declared(port: Port, stage: StageSpec) -> None:
-    from ..backends.prebuilt import describe
-
     for f in stage.files(port.root):
         try:
             ins, outs = describe(f)
@@ -547,8 +543,6 @@ def whole_model_port(artifact: str | Path, runtime: str = "native") -> Port:
     durations out), its mapping guessed from the declared names, ranks and dtypes; a declared
     input or output that fits nothing is one clear error naming it and what was expected. Its
     stage runs on `runtime` (`--artifact-runtime`)."""
-    from ..backends.prebuilt import describe, kind_of, runtime_problem
-
     artifact = Path(artifact).resolve()
     source = f"(whole-model port of {artifact.name})"
     if not artifact.exists():

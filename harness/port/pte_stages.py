@@ -30,6 +30,15 @@ import re
 from pathlib import Path
 
 import torch
+from ..metrics.tensor import compare_to_floor
+from ..plumbing.files import save_tensors
+from ..plumbing.jobs import run_job
+from ..reference import module_captures
+from ..steps import STEP_NAMES, get_step
+from ..verdict import comparator
+from .differences import difference_kind
+from .matching import best_layout
+from .onnx_stages import stage_lines
 
 MAX_DEPTH = 3  # module levels below the step's module kept in the table (the first failing one always)
 DEBUG_BUFFER_SLACK = 1.5  # the debug buffer: the graph's activations, times this, plus 16 MB
@@ -43,8 +52,6 @@ NO_ETRECORD = ("judged whole: no ETRecord (export with `to_edge_transform_and_lo
 def etrecord_for(item, specs: list[str]) -> Path | None:
     """The ETRecord of an artifact item: `--etrecord STEP=PATH` for its step, a bare `--etrecord PATH`
     (every .pte), else `<artifact stem>.etrecord` beside the artifact; None when there is none."""
-    from ..steps import STEP_NAMES
-
     path = Path(item.path)
     for spec in specs or []:
         step, sep, rest = spec.partition("=")
@@ -261,9 +268,6 @@ def boundaries(events: list[dict], handles: dict[int, dict], chains: dict[int, l
 def localize_pte(session, item, rec, etrecord, log=print) -> dict:
     """`--bisect` on a failing `--artifact STEP=model.pte` item: fills `rec.bisect` (kind
     `pte-etdump`) and rewrites the record; without an ETRecord, says why nothing is localized."""
-    from ..plumbing.files import save_tensors
-    from ..plumbing.jobs import run_job
-
     path = Path(getattr(item, "path", "") or item.spec.partition("=")[2])
     error = None
     if item.step == "e2e" or not hasattr(item, "path"):
@@ -302,13 +306,6 @@ def localize_pte(session, item, rec, etrecord, log=print) -> dict:
 
 def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etrecord: Path) -> dict:
     """Each mapped module's boundary against the reference captures: rows in onnx_stages' shape."""
-    from ..metrics.tensor import compare_to_floor
-    from ..reference import module_captures
-    from ..steps import get_step
-    from ..verdict import comparator
-    from .differences import difference_kind
-    from .matching import best_layout
-
     events, gaps, handles = dumped["events"], dumped["graph_gaps"], dumped["handles"]
     kmodel = session.model.kmodel
     step_path = get_step(item.step).module_path
@@ -398,8 +395,6 @@ def _shared_instances(kmodel) -> dict[str, str]:
 
 def pte_lines(b: dict) -> list[str]:
     """onnx_stages' table (`stage_lines`), said of a .pte: chained errors only, and the first module."""
-    from .onnx_stages import stage_lines
-
     if b.get("error"):
         return [b["error"]]
     lines = [line for line in stage_lines(b) if not line.startswith("first stage whose local error")]
