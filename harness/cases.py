@@ -10,6 +10,8 @@ live in their project (`--cases-dir`, or `kokoro_parity_cases` in pytest's ini: 
 """
 from __future__ import annotations
 
+import os
+import tomllib
 from pathlib import Path
 from typing import Literal
 
@@ -144,9 +146,6 @@ def check_case(case: Case, vocab: dict[str, int]) -> None:
 def configured_dirs(cwd: Path | None = None) -> list[Path]:
     """The user's cases directories for the CLI (pytest reads its own ini): $KOKORO_PARITY_CASES
     (os.pathsep-separated), then `kokoro_parity_cases` in ./pyproject.toml's [tool.pytest.ini_options]."""
-    import os
-    import tomllib
-
     cwd = Path(cwd or Path.cwd())
     dirs = [Path(d) for d in os.environ.get(CASES_ENV, "").split(os.pathsep) if d]
     pyproject = cwd / "pyproject.toml"

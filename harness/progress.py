@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
 from .plumbing import cache
 from .plumbing.files import atomic_write_json
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 LEDGER = "seconds.json"
 
@@ -331,6 +332,5 @@ def for_cli(quiet: bool = False):
     console = Console(stderr=True)
     if console.is_terminal:
         return RichLine(console)
-    import sys
 
     return PlainLines(lambda line: print(line, file=sys.stderr, flush=True))

@@ -14,7 +14,9 @@ its version and so of the artifact's cache key, and of the item's id (`artifact-
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -205,8 +207,6 @@ class PrebuiltBackend(Backend):
 def external_data(path: Path) -> list[str]:
     """The side files an ONNX keeps its tensors in (`location` of external-data initializers);
     memoized per (path, size, mtime_ns): onnx.load reads the whole file, and every stage run keys it."""
-    import os
-
     st = os.stat(path)
     stamp = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if stamp not in _EXTERNAL:
@@ -231,8 +231,6 @@ def _external_data(path: Path) -> list[str]:
 
 
 def _tree_digest(path: Path) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         if p.is_file():

@@ -4,6 +4,7 @@ of its own so that the two formats' modules do not import each other.
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from .splits import CONV_POST, DEFECT_KINDS, HAR, export_split, parse_defect
@@ -15,8 +16,6 @@ def main(split: str, out: Path, argv=None) -> None:
     """The examples' command line: `export.py --case ja [--weights W] [--out DIR] [--defect S=gain:1.1]
     [--format coreml [--precision STAGE=float16] [--no-workaround NAME]]`. Exits 1 when coremltools
     cannot convert a stage (harness/port/coreml_splits.py)."""
-    import argparse
-
     p = argparse.ArgumentParser(description=f"Export Kokoro's {split} split to ONNX (or convert it to Core ML) "
                                             f"and write its port file.")
     p.add_argument("--case", required=True)

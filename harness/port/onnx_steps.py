@@ -21,6 +21,7 @@ the step's module instead of the whole model.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
@@ -244,8 +245,6 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
     """Localize inside one step's ONNX on one case (exact lengths); fills `rec.bisect` with
     onnx_stages' structure, so reports and the dashboard show it as a whole model's. `variant`:
     the item's semantics-changing patches (a port's own STFT), carried by the module references."""
-    import dataclasses
-
 
     traces = session.traces(case_id)
     ran = step_modules(session.model, step, traces, variant)

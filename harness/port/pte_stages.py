@@ -25,8 +25,10 @@ call have no boundary of their own, and the rows say so.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,9 +85,6 @@ def _activation_bytes(etrecord) -> int:
 def etdump_job(artifact: str, etrecord: str, inputs_path: str, out_dir: str) -> dict:
     """Job function: run the .pte once with ETDump and intermediate outputs, read them with the
     ETRecord, write one row per runtime operator (module stacks, first output) to events.pt."""
-    import logging
-    import warnings
-
     from executorch.devtools import Inspector, parse_etrecord
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -175,8 +176,6 @@ def judge_pipeline(session, item: RewriteItem, model, traces, tol, rec) -> list[
 
 
 def rewrite_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for pkg in ("mlx", "mlx-audio"):
         try:
