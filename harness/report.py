@@ -5,10 +5,13 @@ import math
 
 from tabulate import tabulate
 
-from .metrics import fmt as _fmt
-from .record import Record, backend_label
 from .backends import audit_labels, backend_names
+from .metrics import fmt as _fmt
+from .port.onnx_stages import stage_lines
+from .port.pte_stages import pte_lines
+from .record import Record, backend_label
 from .steps import PIPELINE_STEP_NAMES
+
 
 def _number(value) -> float | None:
     """A record's figure as a float (JSON keeps NaN as the string 'nan'), else None."""
@@ -218,12 +221,8 @@ def _cut_status(row: dict) -> str:
 def format_bisect(b: dict) -> str:
     """The bisection's lines under an item's metric table."""
     if b.get("kind") == "pte-etdump":  # harness/port/pte_stages.py
-        from .port.pte_stages import pte_lines
-
         return "\n".join(pte_lines(b))
     if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
-        from .port.onnx_stages import stage_lines
-
         return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
     if b.get("status") == "error":
         return f"bisect: could not run: {b.get('message')}"

@@ -28,6 +28,9 @@ from ..options import NATIVE_RUNTIME as NATIVE  # the runtime of the file's kind
 from ..options import WEB_RUNTIMES  # harness.backends.onnxruntime_web's backends
 from . import Backend, get_backend
 from ..plumbing.files import content_key, sha256_file_cached as sha256_file
+from .onnx_child import run_onnx
+from .onnxruntime_web import NPM_PACKAGE, browser_missing, chromium_version, ort_web_version, webgpu_missing
+from .tvm_library import run_library
 
 PREFIX = "prebuilt:"
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
@@ -133,8 +136,6 @@ class PrebuiltBackend(Backend):
             extra = "" if self.runtime == NATIVE else " (pip install -e '.[web]')"
             return False, f"package(s) not installed to run a {self.kind} artifact: {', '.join(missing)}{extra}"
         if self.runtime != NATIVE:
-            from .onnxruntime_web import browser_missing
-
             why = browser_missing()
             if why:
                 return False, f"runtime {self.runtime}: {why}"
@@ -144,8 +145,6 @@ class PrebuiltBackend(Backend):
         if self.kind == "coreml" and platform.system() != "Darwin":
             return False, f"Core ML prediction needs macOS (this is {platform.system()})"
         if self.runtime == "ort-web-webgpu":
-            from .onnxruntime_web import webgpu_missing
-
             why = webgpu_missing()
             if why:
                 return False, f"runtime {self.runtime}: {why}"
@@ -159,8 +158,6 @@ class PrebuiltBackend(Backend):
                               if (self.path.parent / rel).is_file())
         where = ""
         if self.runtime != NATIVE:  # the browser's runtime and the browser: part of the artifact's key
-            from .onnxruntime_web import NPM_PACKAGE, chromium_version, ort_web_version
-
             where = f",runtime={self.runtime},{NPM_PACKAGE}=={ort_web_version()},chromium=={chromium_version()}"
         return f"{super().version()}{where},file={digest}"
 
@@ -349,12 +346,8 @@ def run_artifact(path: str | Path, inputs: list) -> list:
         inputs = [t.to(c) if isinstance(c, torch.dtype) else t for t, c in zip(inputs, casts)]
         return list(program.load_method("forward").execute([t.contiguous() for t in inputs]))
     if kind == "onnx":
-        from .onnx_child import run_onnx  # the same run as the torch-free child's
-
         return [torch.from_numpy(o) for o in run_onnx(path, [t.detach().cpu().numpy() for t in inputs])]
     if kind == "tvm":
-        from .tvm_library import run_library
-
         return run_library(path, inputs)
     import coremltools as ct
 

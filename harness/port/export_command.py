@@ -10,6 +10,7 @@ from pathlib import Path
 from .splits import CONV_POST, DEFECT_KINDS, HAR, export_split, parse_defect
 from ..reference import module_captures
 from ..runner import Session
+from .coreml_splits import convert_split, parse_precisions, workarounds_off
 
 
 def main(split: str, out: Path, argv=None) -> None:
@@ -39,8 +40,6 @@ def main(split: str, out: Path, argv=None) -> None:
         if (args.precision or args.no_workaround) and args.format != "coreml":
             raise ValueError("--precision, --no-workaround: only with --format coreml")
         if args.format == "coreml":
-            from .coreml_splits import parse_precisions, workarounds_off
-
             precisions = parse_precisions(args.precision, split)
             disabled = set(args.no_workaround) if args.no_workaround else None
             workarounds_off(disabled)  # an unknown name: a usage error before any work
@@ -50,8 +49,6 @@ def main(split: str, out: Path, argv=None) -> None:
     traces = session.traces(args.case)
     module_captures(session.model, session.cases[args.case], traces, (HAR, CONV_POST))
     if args.format == "coreml":
-        from .coreml_splits import convert_split
-
         port, results = convert_split(split, session.model, traces, args.out, precisions, defect,
                                       disabled=disabled)
         if port is None:

@@ -30,8 +30,8 @@ import torch
 from ..backends.prebuilt import NATIVE, kind_of
 from .onnx_stages import (depends_on_inputs, float_boundaries, judge_row, marked_copy, module_groups,
                           native_localization, run_localize_job, run_onnx, stage_lines, stage_row, write_repro)
-from ..patches import apply_patches
-from ..reference import REFERENCE_PATCHES, module_captures
+from ..patches import affecting, apply_patches
+from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, module_captures
 from ..steps import get_step
 from ..verdict import comparator
 
@@ -334,9 +334,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
         rec.bisect = {"error": f"{why}: judged whole"}
         log(rec.bisect["error"])
     else:
-        from ..patches import affecting
-        from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES
-
         tol = session.profile.for_(item.step, item.backend, item.mode)
         variant = affecting([p for p in rec.patches if p not in REFERENCE_PATCHES["dynamic"]
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
