@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install parity matrix test heavy-tests bench bench-bisect profile clean-cache nightly dashboard upstream
+.PHONY: install parity matrix test heavy-tests bench bench-bisect profile clean-cache nightly dashboard upstream lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-bisect: install
 	for b in $(BISECT_BACKENDS); do \
 		$(BIN)/python benchmarks/bisect_trial.py --backend $$b --faults $(BISECT_FAULTS) --kinds nan \
 			--report-dir reports/bisect-trial/$$b || exit 1; done
+
+# The code-shape targets of docs/design.md (lines, long functions, imports inside functions, ...),
+# each figure against its target; it prints and never fails (ARGS=--strict: exit 1 when one is not met).
+lint:
+	$(PYTHON) benchmarks/code_shape.py $(ARGS)
 
 # Where a lowering's time and memory go, phase by phase (ARGS="--step f0n", "--lstm 32", ...).
 profile: install

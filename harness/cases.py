@@ -10,13 +10,16 @@ live in their project (`--cases-dir`, or `kokoro_parity_cases` in pytest's ini: 
 """
 from __future__ import annotations
 
+import os
+import tomllib
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .plumbing.files import content_key
+from .plumbing.files import atomic_write_text, content_key
+from .model import PACKAGED_VOICES, phonemize
 
 
 def shipped_dir(name: str) -> Path:
@@ -134,8 +137,6 @@ def load_cases(directory: str | Path | list = CASES_DIR, only: list[str] | None 
 def check_case(case: Case, vocab: dict[str, int]) -> None:
     """The whole case, before any work: its voice exists, its phonemes are in the vocabulary and
     its tokens fit its bucket (one error naming the field, not a traceback in every item)."""
-    from .model import PACKAGED_VOICES
-
     if case.voice not in PACKAGED_VOICES and not Path(case.voice).is_file():
         raise CaseError(f"case {case.id!r}: field 'voice' is {case.voice!r}: neither a packaged voice "
                         f"({', '.join(PACKAGED_VOICES)}) nor a voice file (a .pt of [510, 1, 256])")
@@ -145,9 +146,6 @@ def check_case(case: Case, vocab: dict[str, int]) -> None:
 def configured_dirs(cwd: Path | None = None) -> list[Path]:
     """The user's cases directories for the CLI (pytest reads its own ini): $KOKORO_PARITY_CASES
     (os.pathsep-separated), then `kokoro_parity_cases` in ./pyproject.toml's [tool.pytest.ini_options]."""
-    import os
-    import tomllib
-
     cwd = Path(cwd or Path.cwd())
     dirs = [Path(d) for d in os.environ.get(CASES_ENV, "").split(os.pathsep) if d]
     pyproject = cwd / "pyproject.toml"
@@ -166,9 +164,6 @@ def write_case(directory: Path, case_id: str, text: str, language: str, voice: s
                tokens: int, frames: int, speed: float = 1.0, seed: int = 0) -> Path:
     """A new phonemized case file (`harness.model.phonemize`; the bucket a caller did not choose:
     `harness.reference.fitting_bucket`)."""
-    from .model import phonemize
-    from .plumbing.files import atomic_write_text
-
     case = Case(id=case_id, language=language, text=text, phonemes=phonemize(text, language),
                 voice=voice, speed=speed, seed=seed, bucket=Bucket(tokens=tokens, frames=frames))
     path = Path(directory) / f"{case_id}.yaml"

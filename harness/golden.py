@@ -28,6 +28,9 @@ import numpy as np
 
 from .cases import shipped_dir
 from .plumbing.files import atomic_write_bytes, atomic_write_json, sha256_file
+from .metrics.tensor import error_metrics
+from .reference import numerics
+from .steps import STEPS
 
 GOLDEN_DIR = shipped_dir("golden")  # the shipped cases' store
 SCHEMA = "kokoro-parity/golden/1"
@@ -56,8 +59,6 @@ class GoldenStore:
 
     @staticmethod
     def tensors(traces, mode: str) -> dict[str, np.ndarray]:
-        from .steps import STEPS
-
         out = {}
         for step in STEPS:
             if (step.name, mode, "float32") not in traces.io:
@@ -72,9 +73,6 @@ class GoldenStore:
     def floors(traces, mode: str) -> dict[str, float]:
         """Each float output's fp32 noise floor: relative L2 of the fresh float32 reference (valid
         region) against the float64 one of the same inputs; absent where no float64 run exists."""
-        from .metrics.tensor import error_metrics
-        from .steps import STEPS
-
         out = {}
         for step in STEPS:
             if (step.name, mode, "float32") not in traces.io or (step.name, mode, "float64") not in traces.io:
@@ -153,12 +151,6 @@ class GoldenStore:
         if problems and made != numerics():
             problems.append(f"(golden made under the CPU path {made}; this run: {numerics()})")
         return problems
-
-
-def numerics() -> str:
-    from .reference import numerics
-
-    return numerics()
 
 
 def compare(name: str, fresh: np.ndarray, stored: np.ndarray, floor: float = 0.0) -> str | None:

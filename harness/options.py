@@ -54,8 +54,13 @@ class Option:
         return kw
 
 
-# harness.backends.prebuilt.RUNTIMES (not imported: the faces read this module before any backend)
-ARTIFACT_RUNTIMES = ("native", "ort-web-wasm", "ort-web-webgpu")
+# What runs a user's artifact (`--artifact-runtime`, a port stage's `runtime:`): the runtime of the
+# file's kind, or onnxruntime-web in headless Chromium (harness.backends.onnxruntime_web's backends).
+# Spelled here, which the faces read before any backend is imported; harness.backends.prebuilt
+# takes its RUNTIMES from these.
+NATIVE_RUNTIME = "native"
+WEB_RUNTIMES = ("ort-web-wasm", "ort-web-webgpu")
+ARTIFACT_RUNTIMES = (NATIVE_RUNTIME, *WEB_RUNTIMES)
 
 WEIGHTS_HELP = ("a Kokoro .pth to load strictly, `hf` (the local Hugging Face cache), `random[:seed]`; default: "
                 "the int8-rebuilt Kokoro-82M v1.0 (env KOKORO_PARITY_WEIGHTS)")
@@ -158,7 +163,7 @@ class RunConfig:
     steps: tuple[str, ...] | None = None  # None: every step (pytest selects with -k instead)
     modes: tuple[str, ...] = ("dynamic", "static")
     artifacts: tuple[str, ...] = ()  # STEP=PATH and e2e=PATH
-    artifact_runtimes: tuple[str, ...] = ("native",)  # what runs each of them (harness.backends.prebuilt.RUNTIMES)
+    artifact_runtimes: tuple[str, ...] = (NATIVE_RUNTIME,)  # what runs each of them (ARTIFACT_RUNTIMES)
     ports: tuple[str, ...] = ()  # port files
     rewrites: tuple[str, ...] = ()  # rewrite adapters (harness.rewrite)
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
+from .plumbing import cache
+from .plumbing.files import atomic_write_json
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -80,8 +83,6 @@ _ledger: dict[str, float] | None = None
 
 
 def _ledger_path():
-    from .plumbing import cache
-
     return cache.cache_dir() / "progress" / LEDGER
 
 
@@ -98,9 +99,6 @@ def last_seconds(key: str) -> float | None:
 
 
 def remember_seconds(key: str, seconds: float) -> None:
-    from .plumbing import cache
-    from .plumbing.files import atomic_write_json
-
     global _ledger
     path = _ledger_path()
     try:
@@ -334,6 +332,5 @@ def for_cli(quiet: bool = False):
     console = Console(stderr=True)
     if console.is_terminal:
         return RichLine(console)
-    import sys
 
     return PlainLines(lambda line: print(line, file=sys.stderr, flush=True))

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass, field
@@ -191,27 +192,35 @@ def _chain_traces(model: LoadedModel, case: Case, synthesize: bool = True) -> Ca
 
 
 def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step]) -> dict:
-    """The steps' references in both modes and dtypes, each forced from the chain's inputs."""
+    """The steps' references in both modes and dtypes, each forced from the chain's inputs. Its
+    progress: one phase per mode and dtype over many steps, one phase naming the step when it is
+    one (a step's references computed on first read: the lines say which step, and each step's
+    time is remembered under its own name)."""
     io = {}
-    for mode in MODES:
-        km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
-        km64 = to_float64(copy.deepcopy(km32))
-        for dtype, km in (("float32", km32), ("float64", km64)):
-            with progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}") as shown:
-                for step in steps:
-                    shown.update(step.name)
-                    base = ({k: traces.chain[k] for k in step.input_names} if mode == "dynamic"
-                            else pad_inputs(step, traces.chain, traces.valid, traces.bucket))
-                    inputs = cast(base, dtype)
-                    with torch.no_grad():
-                        outputs = as_outputs(step, step.module(km)(*inputs.values()))
-                    io[(step.name, mode, dtype)] = (inputs, outputs)
+    one = steps[0].name if len(steps) == 1 else None
+    with (progress.phase("references", subject=f"{traces.case_id} {one}") if one
+          else contextlib.nullcontext()) as whole:
+        for mode in MODES:
+            km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
+            km64 = to_float64(copy.deepcopy(km32))
+            for dtype, km in (("float32", km32), ("float64", km64)):
+                with (contextlib.nullcontext(whole) if one
+                      else progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}")) as shown:
+                    for step in steps:
+                        shown.update(f"{mode} {dtype}" if one else step.name)
+                        base = ({k: traces.chain[k] for k in step.input_names} if mode == "dynamic"
+                                else pad_inputs(step, traces.chain, traces.valid, traces.bucket))
+                        inputs = cast(base, dtype)
+                        with torch.no_grad():
+                            outputs = as_outputs(step, step.module(km)(*inputs.values()))
+                        io[(step.name, mode, dtype)] = (inputs, outputs)
     return io
 
 
 class StepReferences(dict):
     """`CaseTraces.io` of a cached case: each step's references computed (or read from the cache)
-    the first time an item asks for them. A run of one small step no longer computes the float64
+    the first time an item asks for them; a read of a value already here does no work and shows
+    no progress. A run of one small step no longer computes the float64
     vocoder of both modes first (most of a first run's reference time: the first verdict waited on
     references it never read), and a case's long static bucket is run only for the steps that need it."""
 

@@ -5,8 +5,13 @@ import math
 
 from tabulate import tabulate
 
+from .backends import audit_labels, backend_names
 from .metrics import fmt as _fmt
-from .record import Record
+from .port.onnx_stages import stage_lines
+from .port.pte_stages import pte_lines
+from .record import Record, backend_label
+from .steps import PIPELINE_STEP_NAMES
+
 
 def _number(value) -> float | None:
     """A record's figure as a float (JSON keeps NaN as the string 'nan'), else None."""
@@ -146,8 +151,6 @@ def row_word(local: dict, chained: dict) -> str:
 def audit_lines(audit: dict) -> list[str]:
     """The backends' audits: what a backend will not take, and why it fell back (each backend
     names its own audit keys: `Backend.audit_labels`)."""
-    from .backends import audit_labels
-
     lines = [f"{label}: " + ", ".join(f"{k} x{v}" for k, v in audit[key].items())
              for key, label in audit_labels().items() if audit.get(key)]
     for key in ("dynamo_error", "audit_error"):
@@ -192,11 +195,6 @@ def summary_table(records: list[Record], tablefmt: str = "simple") -> str:
     """One row per (case, step, mode) in pipeline order, one column per backend in the registry's
     order: verdict and the key metric (or, for an item that did not run, the start of its reason).
     `tablefmt="github"` gives Markdown (the README's matrices)."""
-    from .backends import backend_names
-    from .steps import PIPELINE_STEP_NAMES
-
-    from .record import backend_label
-
     known = backend_names()
     label = lambda r: backend_label(r.backend, r.target.get("name"))  # noqa: E731 - `xnnpack@mac`: a column per target
     backends = sorted({label(r) for r in records},
@@ -229,12 +227,8 @@ def format_bisect(b: dict) -> str:
 
         return "\n".join(chain_lines(b))
     if b.get("kind") == "pte-etdump":  # harness/port/pte_stages.py
-        from .port.pte_stages import pte_lines
-
         return "\n".join(pte_lines(b))
     if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
-        from .port.onnx_stages import stage_lines
-
         return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
     if b.get("status") == "error":
         return f"bisect: could not run: {b.get('message')}"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from . import Backend, Workaround
+from . import Backend, Workaround, control_flow
 from .cost import AUDIO_SECONDS, CostLaw
+from .control_flow import control_flow_bodies
 
 
 def _core_aten_violations(program) -> dict[str, int]:
@@ -136,7 +137,6 @@ class XnnpackBackend(Backend):
             return REPRO_RUNNER.format(**self.repro_partitioner)
 
         # optional runtime: control_flow imports executorch at its top
-        from . import control_flow
 
         helpers = CONTROL_FLOW_IMPORTS + "".join(inspect.getsource(f) + "\n\n" for f in (
             control_flow._BodyView, control_flow.control_flow_bodies, control_flow.XnnpackControlFlowPartitioner))
@@ -199,7 +199,6 @@ def _delegation(edge) -> dict:
     except ImportError:
         return {}
     # optional runtime: control_flow imports executorch at its top
-    from .control_flow import control_flow_bodies
 
     top = edge.exported_program().graph_module
     bodies = list(control_flow_bodies(top))

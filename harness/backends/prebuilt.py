@@ -14,19 +14,25 @@ its version and so of the artifact's cache key, and of the item's id (`artifact-
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import Backend
+from ..options import ARTIFACT_RUNTIMES as RUNTIMES
+from ..options import NATIVE_RUNTIME as NATIVE  # the runtime of the file's kind (KINDS -> REQUIRES)
+from ..options import WEB_RUNTIMES  # harness.backends.onnxruntime_web's backends
+from . import Backend, get_backend
+from ..plumbing.files import content_key, sha256_file_cached as sha256_file
+from .onnx_child import run_onnx
+from .onnxruntime_web import NPM_PACKAGE, browser_missing, chromium_version, ort_web_version, webgpu_missing
+from .tvm_library import run_library
 
 PREFIX = "prebuilt:"
-NATIVE = "native"  # the runtime of the file's kind (KINDS -> REQUIRES)
-WEB_RUNTIMES = ("ort-web-wasm", "ort-web-webgpu")  # harness.backends.onnxruntime_web's backends
-RUNTIMES = (NATIVE, *WEB_RUNTIMES)
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
          ".mlpackage": "coreml", ".mlmodel": "coreml"}
 REQUIRES = {"onnx": ("onnxruntime", "onnx"), "executorch": ("executorch",), "tvm": ("tvm",),
@@ -120,8 +126,6 @@ class PrebuiltBackend(Backend):
 
     def web(self):
         """The onnxruntime-web backend of a browser runtime (its page, its audit of where it ran)."""
-        from . import get_backend
-
         return get_backend(self.runtime)
 
     def available(self) -> tuple[bool, str]:
@@ -132,8 +136,6 @@ class PrebuiltBackend(Backend):
             extra = "" if self.runtime == NATIVE else " (pip install -e '.[web]')"
             return False, f"package(s) not installed to run a {self.kind} artifact: {', '.join(missing)}{extra}"
         if self.runtime != NATIVE:
-            from .onnxruntime_web import browser_missing
-
             why = browser_missing()
             if why:
                 return False, f"runtime {self.runtime}: {why}"
@@ -143,16 +145,12 @@ class PrebuiltBackend(Backend):
         if self.kind == "coreml" and platform.system() != "Darwin":
             return False, f"Core ML prediction needs macOS (this is {platform.system()})"
         if self.runtime == "ort-web-webgpu":
-            from .onnxruntime_web import webgpu_missing
-
             why = webgpu_missing()
             if why:
                 return False, f"runtime {self.runtime}: {why}"
         return True, ""
 
     def version(self) -> str:
-        from ..plumbing.files import sha256_file_cached as sha256_file  # once per file and session
-
         digest = (sha256_file(self.path)[:16] if self.path.is_file() else
                   _tree_digest(self.path) if self.path.is_dir() else "missing")
         if self.kind == "onnx" and self.path.is_file():  # its side files are part of it
@@ -160,15 +158,11 @@ class PrebuiltBackend(Backend):
                               if (self.path.parent / rel).is_file())
         where = ""
         if self.runtime != NATIVE:  # the browser's runtime and the browser: part of the artifact's key
-            from .onnxruntime_web import NPM_PACKAGE, chromium_version, ort_web_version
-
             where = f",runtime={self.runtime},{NPM_PACKAGE}=={ort_web_version()},chromium=={chromium_version()}"
         return f"{super().version()}{where},file={digest}"
 
     def artifact_key(self, program_key: str = "") -> str:
         """Keyed by the file's content alone: a prebuilt artifact has no program."""
-        from ..plumbing.files import content_key
-
         return content_key("prebuilt", self.kind, self.version())
 
     def compile(self, program_path: Path, out_dir: Path) -> dict[str, Any]:
@@ -210,8 +204,6 @@ class PrebuiltBackend(Backend):
 def external_data(path: Path) -> list[str]:
     """The side files an ONNX keeps its tensors in (`location` of external-data initializers);
     memoized per (path, size, mtime_ns): onnx.load reads the whole file, and every stage run keys it."""
-    import os
-
     st = os.stat(path)
     stamp = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if stamp not in _EXTERNAL:
@@ -236,8 +228,6 @@ def _external_data(path: Path) -> list[str]:
 
 
 def _tree_digest(path: Path) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         if p.is_file():
@@ -356,12 +346,8 @@ def run_artifact(path: str | Path, inputs: list) -> list:
         inputs = [t.to(c) if isinstance(c, torch.dtype) else t for t, c in zip(inputs, casts)]
         return list(program.load_method("forward").execute([t.contiguous() for t in inputs]))
     if kind == "onnx":
-        from .onnx_child import run_onnx  # the same run as the torch-free child's
-
         return [torch.from_numpy(o) for o in run_onnx(path, [t.detach().cpu().numpy() for t in inputs])]
     if kind == "tvm":
-        from .tvm_library import run_library
-
         return run_library(path, inputs)
     import coremltools as ct
 

@@ -3,6 +3,9 @@
 frontend has no converter for (its own `convert_map`), which is what fails first."""
 from __future__ import annotations
 
+import importlib.metadata as md
+import inspect
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -69,8 +72,6 @@ def frontend_gaps(program) -> dict:
 
 def tvm_version() -> str:
     """The distribution is `apache-tvm`, the import `tvm`: the base class cannot find it by name."""
-    import importlib.metadata as md
-
     try:
         return f"apache-tvm=={md.version('apache-tvm')}"
     except md.PackageNotFoundError:
@@ -123,8 +124,6 @@ class TvmBackend(Backend):
         return frontend_gaps(torch.export.load(str(program_path)))
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        import time
-
         import torch
         from tvm.relax.frontend.torch import from_exported_program
 
@@ -138,8 +137,6 @@ class TvmBackend(Backend):
 
     def repro_source(self) -> str:
         """The converter fix this backend applies, inlined: the repro imports no harness code."""
-        import inspect
-
         fixes = converter_fixes(self.disabled_workarounds())
         table = "CONVERTER_FIXES = {" + ", ".join(f"{op!r}: {fn.__name__}" for op, fn in fixes.items()) + "}\n\n\n"
         return "".join(inspect.getsource(fn) + "\n\n" for fn in fixes.values()) + table + REPRO_RUNNER

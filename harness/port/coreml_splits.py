@@ -24,7 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import splits
+from . import splits, tensors
+from ..backends.coreml import CORE_ML_WORKAROUNDS, CoreMLFp32Backend, _inference_ir, mil_gaps
+from ..backends.prebuilt import describe
+from ..patches import apply_patches
+from ..plumbing.files import atomic_write_text
 
 # the ONNX export's patches, plus the coreml-* backends' frontend fixes that apply to these stages
 # (ExactSTFT needs no `stft_phase_where`): rsqrt of an int constant
@@ -90,7 +94,6 @@ def convert_stage(module: nn.Module, stage: splits.StageDef, args: tuple, path: 
     converter's message when it fails."""
     import coremltools as ct
 
-    from ..backends.coreml import _inference_ir, mil_gaps
 
     # torch.export records each example input's dim order; a transposed one (the reference's `d`)
     # is refused ("Core ML does not have general support for non-contiguous dim order"): an app
@@ -138,8 +141,6 @@ def convert_split(split: str, model, traces, out_dir: Path, precisions: dict[str
     `disabled`: the coreml backends' workarounds left out (default: `--no-workaround`, its env
     variable), so that the converter's gap they close shows. `traces` must hold the module
     captures of HAR and CONV_POST (`reference.module_captures`)."""
-    from ..patches import apply_patches
-
     precisions = precisions or precisions_for(split)
     disabled, patches = workarounds_off(disabled)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -174,8 +175,6 @@ def convert_split(split: str, model, traces, out_dir: Path, precisions: dict[str
 def workarounds_off(disabled: set[str] | None = None) -> tuple[set[str], tuple[str, ...]]:
     """(the graph fixes of `_inference_ir` left out, the model's patches): the coreml backends'
     workarounds named in `disabled` (default: those switched off for this process) are not applied."""
-    from ..backends.coreml import CORE_ML_WORKAROUNDS, CoreMLFp32Backend
-
     off = CoreMLFp32Backend().disabled_workarounds() if disabled is None else set(disabled)
     off = set(CORE_ML_WORKAROUNDS) if "all" in off else off
     unknown = sorted(off - set(CORE_ML_WORKAROUNDS))
@@ -191,9 +190,6 @@ def write_port_file(split: str, model, traces, out_dir: Path, precisions: dict[s
     """The port file of the packages in `out_dir`: each stage's declared inputs and its outputs
     mapped, a dtype the package declares other than the vocabulary's given as `dtype:` (Core ML I/O
     has no bool or int64; a FLOAT16 stage's I/O is float16), its precision."""
-    from ..backends.prebuilt import describe
-    from ..plumbing.files import atomic_write_text
-
     lengths = f"{traces.chain['input_ids'].shape[-1]} tokens, {traces.chain['aln'].shape[-1]} frames"
     lines = [f"# {split}, converted to Core ML from {model.name} for case {traces.case_id!r} by "
              f"examples/{split}/export.py --format coreml" + (f" with the defect {defect}" if defect else ""),
@@ -215,8 +211,6 @@ def write_port_file(split: str, model, traces, out_dir: Path, precisions: dict[s
 
 def _mapping(name: str, tensor: str, declared) -> str:
     """`name: tensor`, or `name: {tensor: ..., dtype: ...}` where the package's dtype is not Kokoro's."""
-    from . import tensors
-
     t, dtype = tensors.VOCAB.get(tensor), declared.dtype if declared is not None else None
     want = t.dtype if t is not None else "float32"  # a module reference: a float32 activation
     if dtype is None or dtype == want:

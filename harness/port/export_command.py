@@ -4,17 +4,19 @@ of its own so that the two formats' modules do not import each other.
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from .splits import CONV_POST, DEFECT_KINDS, HAR, export_split, parse_defect
+from ..reference import module_captures
+from ..runner import Session
+from .coreml_splits import convert_split, parse_precisions, workarounds_off
 
 
 def main(split: str, out: Path, argv=None) -> None:
     """The examples' command line: `export.py --case ja [--weights W] [--out DIR] [--defect S=gain:1.1]
     [--format coreml [--precision STAGE=float16] [--no-workaround NAME]]`. Exits 1 when coremltools
     cannot convert a stage (harness/port/coreml_splits.py)."""
-    import argparse
-
     p = argparse.ArgumentParser(description=f"Export Kokoro's {split} split to ONNX (or convert it to Core ML) "
                                             f"and write its port file.")
     p.add_argument("--case", required=True)
@@ -32,16 +34,12 @@ def main(split: str, out: Path, argv=None) -> None:
                         "that the converter's gap it closes shows (repeatable; `all`)")
     args = p.parse_args(argv)
 
-    from ..reference import module_captures
-    from ..runner import Session
 
     try:
         defect = parse_defect(args.defect, split)
         if (args.precision or args.no_workaround) and args.format != "coreml":
             raise ValueError("--precision, --no-workaround: only with --format coreml")
         if args.format == "coreml":
-            from .coreml_splits import parse_precisions, workarounds_off
-
             precisions = parse_precisions(args.precision, split)
             disabled = set(args.no_workaround) if args.no_workaround else None
             workarounds_off(disabled)  # an unknown name: a usage error before any work
@@ -51,8 +49,6 @@ def main(split: str, out: Path, argv=None) -> None:
     traces = session.traces(args.case)
     module_captures(session.model, session.cases[args.case], traces, (HAR, CONV_POST))
     if args.format == "coreml":
-        from .coreml_splits import convert_split
-
         port, results = convert_split(split, session.model, traces, args.out, precisions, defect,
                                       disabled=disabled)
         if port is None:

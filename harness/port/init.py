@@ -12,7 +12,7 @@ tensor that fed it, chosen among those its declared shape and dtype take by whos
 nearest the reference. An export's own names (`/encoder/MatMul_1_output_0`) carry nothing, so
 names and ranks cannot tell F0 from N; values can.
 By name (`--no-run`, no runtime installed, or a stage that cannot run): the declared name, then
-rank and dtype (`tensors.guess`, `portfile._by_shape`), the comment saying why.
+rank and dtype (`tensors.guess`, `matching.by_shape`), the comment saying why.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from ..model import SAMPLES_PER_FRAME
 from ..reference import CASE_INPUTS
 from ..steps import FRAME_UNITS
 from .chain import from_artifact, glue, to_artifact
-from .onnx_stages import _best_layout, _rel, envelope
-from .portfile import _by_shape, _is_int8
+from .matching import best_layout, by_shape, is_int8, rel_l2
+from .onnx_stages import envelope
+from ..plumbing.files import atomic_write
 
 # Relative L2 above which an output is no Kokoro tensor: left `FIXME` with its nearest. A clean
 # float32 stage is ~1e-6 off, an int8 one a few 1e-2; an unrelated tensor of the same shape ~1.
@@ -78,7 +79,7 @@ def _kind(dtype) -> str:
 
 def distance(value, name: str, ref: torch.Tensor) -> tuple[float, str] | None:
     """Relative L2 of an artifact's value against Kokoro's `name` in any axis order (size-1 axes
-    squeezed; `onnx_stages._rel`), with a note, or None when no layout has its shape. Integer
+    squeezed; `matching.rel_l2`), with a note, or None when no layout has its shape. Integer
     values are compared rounded; a frame axis a few frames off is compared over the common prefix."""
     a = np.asarray(value)
     if _kind(a.dtype) != _kind(ref.dtype):
@@ -105,20 +106,20 @@ def distance(value, name: str, ref: torch.Tensor) -> tuple[float, str] | None:
 
 
 def _compare(a: np.ndarray, name: str, ref: torch.Tensor) -> tuple[float, str]:
-    """`_rel`, and when that is past THRESHOLD: a tensor that depends on the vocoder's noise (the
+    """`rel_l2`, and when that is past THRESHOLD: a tensor that depends on the vocoder's noise (the
     audio) by its amplitude envelope (`onnx_stages.envelope`: a stage drawing its own noise shares
     no sample with the case's draw); a float tensor up to a constant gain (a port with a gain or a
     sign flip still maps, the comment saying so)."""
-    d, note = _rel(a, ref), ""
+    d, note = rel_l2(a, ref), ""
     t = tensors.VOCAB.get(name)
     if d > THRESHOLD and t is not None and t.stochastic and a.size >= 2 * SAMPLES_PER_FRAME:
         ea, er = envelope(a).numpy(), envelope(ref.numpy())
-        env = _rel(ea, er)
+        env = rel_l2(ea, er)
         if env < d:
             note = f"; by its amplitude envelope (frame RMS; sample by sample {d:.2g}): it depends on the noise"
             d, a, ref = env, ea, er
     if d > THRESHOLD and _kind(a.dtype) == "float":
-        x, y = _best_layout(a, ref).astype(np.float64).reshape(-1), ref.double().numpy().reshape(-1)
+        x, y = best_layout(a, ref).astype(np.float64).reshape(-1), ref.double().numpy().reshape(-1)
         k = float(x @ y / (y @ y)) if (y @ y) > 0 else 0.0
         fitted = float(np.linalg.norm(x - k * y) / (abs(k) * np.linalg.norm(y))) if k else float("inf")
         if fitted < d:
@@ -329,7 +330,7 @@ def _guess(p, side: str, taken: set[str], reason: str) -> Guess:
     t = tensors.guess(p.name, p.rank, p.dtype)
     how = "by name"
     if t is None:
-        t, how = _by_shape(p, side, None, taken), "by rank and dtype"
+        t, how = by_shape(p, side, None, taken), "by rank and dtype"
     if t is None:
         return Guess(None, shape + (f"; {reason}" if reason else ""))
     return Guess(t, f"{how}{'; ' + reason if reason else ''}; {shape}, Kokoro's {tensors.describe(t)}")
@@ -341,7 +342,7 @@ def stage_lines(path: Path, out: Path, guessed, reason: str) -> list[str]:
     ins, outs = describe(path)
     rel = os.path.relpath(Path(path).resolve(), out.parent.resolve())
     lines = [f"  - name: {Path(path).stem.replace('.', '_')}", f"    artifact: {rel}"]
-    if _is_int8(Path(path)):
+    if is_int8(Path(path)):
         lines.append("    precision: int8  # guess: confirm (integer matmuls/convolutions in the graph)")
     per_side = {}
     for side, ports, by_value in (("inputs", ins, guessed and guessed[0]),
@@ -388,7 +389,5 @@ def _key(name: str) -> str:
 
 
 def write_port(artifacts: list[Path], out: Path, values: Values | None = None, reason: str = "") -> Path:
-    from ..plumbing.files import atomic_write
-
     text = port_text(artifacts, Path(out), values, reason)
     return atomic_write(out, lambda f: f.write(text.encode()))

@@ -28,6 +28,11 @@ from ..plumbing import cache
 from ..plumbing.files import atomic_write, content_key
 from . import tensors
 from .onnx_graph import draws_noise
+from ..metrics.audio import audio_metrics
+from ..model import SAMPLES_PER_FRAME
+from ..patches import apply_patches, sample_noise, to_float64
+from ..reference import REFERENCE_PATCHES, numerics
+from ..steps import get_step
 
 BAND_VERSION = 1
 DEFAULT_K = 16
@@ -37,8 +42,6 @@ DIRECTIONS = {"pesq": "higher", "mcd_db": "lower", "logmel_mad_db": "lower", "lo
 
 
 def _decoder_audio(km, chain: dict, noise: dict) -> torch.Tensor:
-    from ..steps import get_step
-
     step = get_step("decoder")
     with torch.no_grad():
         return step.module(km)(chain["asr"], chain["F0_pred"], chain["N_pred"], chain["s_dec"],
@@ -48,16 +51,9 @@ def _decoder_audio(km, chain: dict, noise: dict) -> torch.Tensor:
 def noise_band(model, case, traces, k: int = DEFAULT_K) -> dict:
     """{"metrics": {metric: [values of runs 1..K-1 vs run 0]}, "band": {metric: [lo, hi]},
     "zero_noise_audio": the reference audio with every noise input zero, "k": K}; cached."""
-    from ..reference import numerics
-
     key = content_key("noise-band", BAND_VERSION, model.digest, case.digest, numerics(), k)
 
     def build(tmp):
-        from ..metrics.audio import audio_metrics
-        from ..model import SAMPLES_PER_FRAME
-        from ..patches import apply_patches, sample_noise
-        from ..reference import REFERENCE_PATCHES
-
         km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
         chain = traces.chain
         n = traces.valid.frames * SAMPLES_PER_FRAME
@@ -121,9 +117,6 @@ def noise_inside(stage) -> bool:
 def zero_noise_reference(session, case_id: str) -> dict[str, torch.Tensor]:
     """{"float32", "float64"}: the reference decoder's audio on the case's reference inputs with
     every noise input zero (what a stage that draws no noise computes), once per session and case."""
-    from ..patches import apply_patches, to_float64
-    from ..reference import REFERENCE_PATCHES
-
     memo = session.zero_noise_references
     if case_id not in memo:
         chain = session.traces(case_id).chain

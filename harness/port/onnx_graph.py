@@ -8,13 +8,12 @@ import re
 from pathlib import Path
 
 import numpy as np
+from ..onnx_rebuild import _node_path
 
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
 def node_module(name: str) -> str | None:
-    from ..onnx_rebuild import _node_path
-
     try:
         path = _node_path(name)
     except ValueError:

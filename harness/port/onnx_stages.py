@@ -32,6 +32,7 @@ import torch
 from ..backends.prebuilt import NATIVE
 from ..model import SAMPLES_PER_FRAME
 from .differences import nonfinite
+from .matching import best_layout, layouts, rel_l2
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
                          marked_copy, node_module, run_onnx, seeded_copy)
 
@@ -192,41 +193,11 @@ def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict,
                        f"{list(want.shape)}"}
     # several tensors of that size: the module's output is the one nearest the reference
     # (as a mapping rule only; the error of the one chosen is what gets judged)
-    tensor = min(match, key=lambda t: _rel(values[t], want))
+    tensor = min(match, key=lambda t: rel_l2(values[t], want))
     row = {"what": what, "mapped": True, "tensor": tensor, "nodes": len(group["nodes"]), "candidates": len(match),
-           "chained": _best_layout(values[tensor], want), "chained_raw": np.asarray(values[tensor])}
+           "chained": best_layout(values[tensor], want), "chained_raw": np.asarray(values[tensor])}
     row.update(_local(source, group, tensor, ref, path, values, out_dir / "stages" / path))
     return row
-
-
-def _layouts(value, shape) -> list:
-    """`value` in the reference's layout: reshaped as it is, and each axis permutation of its
-    squeezed shape that gives the reference's (an LSTM's [T, B, C] against torch's [B, T, C])."""
-    import itertools
-
-    a = np.asarray(value)
-    out = [a.reshape(shape)]
-    sq, want = [d for d in a.shape if d != 1], [d for d in shape if d != 1]
-    if sorted(sq) == sorted(want) and len(sq) <= 4:
-        b = a.reshape(sq)
-        for perm in itertools.permutations(range(len(sq))):
-            if perm != tuple(range(len(sq))) and [sq[i] for i in perm] == want:
-                out.append(np.transpose(b, perm).reshape(shape))
-    return out
-
-
-def _rel(value, want: torch.Tensor) -> float:
-    b = want.double().numpy().reshape(-1)
-    best = math.inf
-    for a in _layouts(value, tuple(want.shape)):
-        a = a.astype(np.float64).reshape(-1)
-        if np.isfinite(a).all():
-            best = min(best, float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0)))
-    return best
-
-
-def _best_layout(value, want: torch.Tensor) -> np.ndarray:
-    return min(_layouts(value, tuple(want.shape)), key=lambda a: _rel(a, want)).astype(np.float32)
 
 
 SAME_VALUE = 0.1  # rel L2 within which a reused or computed reference value is the artifact's input
@@ -255,12 +226,12 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
         if floating:
             own_t = torch.from_numpy(own_a.astype(np.float32))
             twin = next((v for v in ref["feed"].values() if np.asarray(v).size == own_t.numel()
-                         and np.issubdtype(np.asarray(v).dtype, np.floating) and _rel(v, own_t) <= 1e-6), None)
+                         and np.issubdtype(np.asarray(v).dtype, np.floating) and rel_l2(v, own_t) <= 1e-6), None)
             if twin is not None:  # a graph input reshaped (`F0_curve[:, None]`, shared by two modules): itself
-                feed[x] = _best_layout(twin, own_t).astype(own_a.dtype)
+                feed[x] = best_layout(twin, own_t).astype(own_a.dtype)
                 continue
             fits = [(label, v) for label, a in options if a.numel() == own_a.size
-                    for v in _layouts(a.float().numpy(), own_a.shape)]
+                    for v in layouts(a.float().numpy(), own_a.shape)]
             # a captured argument feeds one input (two inputs of one size are two arguments: an
             # export that merged two modules' computations must not get one tensor twice); what is
             # computed from the arguments (the upsampled F0, a voiced mask) may feed several. The
@@ -269,9 +240,9 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
             fresh = [o for o in fits if o[0].startswith("reference input") and o[0] not in fed.values()]
             free = {id(o) for o in fresh}
             near = [o for o in fits if (id(o) in free or not o[0].startswith("reference input"))
-                    and _rel(o[1], own_t) <= SAME_VALUE]
+                    and rel_l2(o[1], own_t) <= SAME_VALUE]
             if near or fresh:
-                label, value = min(near or fresh, key=lambda o: _rel(o[1], own_t))
+                label, value = min(near or fresh, key=lambda o: rel_l2(o[1], own_t))
                 feed[x], fed[x] = value.astype(own_a.dtype), label
                 continue
         if own_a is not None and (not floating or own_a.size <= 16):
@@ -296,7 +267,7 @@ def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path
         return {"local_error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     np.savez(where / "inputs.npz", **{k: np.asarray(v) for k, v in feed.items()})
     want = ref["fp32"][path]
-    return {"local": _best_layout(got, want) if np.asarray(got).size == want.numel() else np.asarray(got),
+    return {"local": best_layout(got, want) if np.asarray(got).size == want.numel() else np.asarray(got),
             "subgraph": str(sub), "inputs": list(feed), "fed": fed,
             "local_draws_noise": draws_noise(onnx.load(str(sub), load_external_data=False))}
 
@@ -562,7 +533,7 @@ def without_own_error(row: dict, entry: dict, r32: torch.Tensor) -> np.ndarray:
 def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
     """`value` (the reference's layout) in the artifact's layout: the axis order nearest its own."""
     own = torch.from_numpy(raw.astype(np.float32))
-    return min(_layouts(value, raw.shape), key=lambda a: _rel(a, own)).astype(raw.dtype)
+    return min(layouts(value, raw.shape), key=lambda a: rel_l2(a, own)).astype(raw.dtype)
 
 
 def effect_metrics(want: np.ndarray, audio) -> dict:

@@ -21,17 +21,20 @@ the step's module instead of the whole model.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
 import torch
 
-from ..backends.prebuilt import NATIVE
-from ..patches import apply_patches, provide_noise
-from ..reference import REFERENCE_PATCHES
+from ..backends.prebuilt import NATIVE, kind_of
+from ..patches import affecting, apply_patches, provide_noise
+from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, module_captures
+from ..steps import get_step
 from ..verdict import comparator
 from . import tensors
-from .onnx_stages import judge_row, native_localization, run_localize_job, stage_lines, write_repro
+from .onnx_stages import (depends_on_inputs, float_boundaries, judge_row, marked_copy, module_groups,
+                          native_localization, run_localize_job, run_onnx, stage_lines, stage_row, write_repro)
 
 STAGE_DEPTH = 2  # module levels below the step's module that become stages
 MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `kmodel.`)
@@ -42,8 +45,6 @@ MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `km
 def step_modules(model, step: str, traces, variant: tuple[str, ...] = ()) -> dict:
     """The modules one float32 run of `step` calls (hooked_modules), under the references'
     patches and `variant`."""
-    from ..steps import get_step
-
     km = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
     return hooked_modules(km, lambda: get_step(step).module(km)(*traces.inputs(step, "dynamic", "float32").values()))
 
@@ -250,8 +251,6 @@ def localize_step_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     """Job function (child process): place the nodes, mark, run, extract and run each stage."""
     import onnx
 
-    from .onnx_stages import (depends_on_inputs, float_boundaries, marked_copy, module_groups, run_onnx,
-                              stage_row)
 
     ref = torch.load(reference_path, weights_only=False)
     out = Path(out_dir)
@@ -289,9 +288,6 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     module captures; fills `rec.bisect` (kind `onnx-stages`; `where`: the key naming what was cut,
     `step` or `port_stage`, its `what` for the errors, the `roots` its node names resolve under and
     the `repro` bundle's directory name)."""
-    import dataclasses
-
-    from ..reference import module_captures
 
     traces = session.traces(case_id)
     stages, skipped = choose_stages(ran)
@@ -368,8 +364,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
     """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
     other format is judged whole, with the reason in `rec.bisect`. Rewrites the record. An item
     judged on a browser runtime is localized on onnxruntime CPU, and the record says so."""
-    from ..backends.prebuilt import kind_of
-
     path = Path(item.path)
     kind = kind_of(path)
     why = None
@@ -386,9 +380,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
         rec.bisect = {"error": f"{why}: judged whole"}
         log(rec.bisect["error"])
     else:
-        from ..patches import affecting
-        from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES
-
         tol = session.profile.for_(item.step, item.backend, item.mode)
         variant = affecting([p for p in rec.patches if p not in REFERENCE_PATCHES["dynamic"]
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them

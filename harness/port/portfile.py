@@ -39,7 +39,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import tensors
+from .matching import by_shape, family, is_int8
 from .noise import stage_noise
+from ..backends.prebuilt import NATIVE, RUNTIMES, describe, kind_of, runtime_problem
+from ..steps import STAGES, STEPS, get_step
 
 # What the case gives a port's first stage, and what the host glue derives between stages
 # (the harness's own reference code: steps.build_alignment, the matmuls of run_chain).
@@ -375,8 +378,6 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
 def _check_source(port: Port, stage: StageSpec) -> None:
     """`artifact:` or `step:`, not both; a step's inputs and outputs are exactly its own names,
     mapped to Kokoro tensors in Kokoro's own dtypes (the harness exports it)."""
-    from ..steps import STAGES, STEPS, get_step
-
     if (stage.artifact is None) == (stage.step is None):
         raise PortError(f"{_where(port.source, stage.name, 'artifact')}: give either `artifact:` (a prebuilt "
                         f"file) or `step:` (a harness step), not " + ("both" if stage.artifact else "neither"))
@@ -406,8 +407,6 @@ def _check_source(port: Port, stage: StageSpec) -> None:
 def _check_runtime(port: Port, stage: StageSpec) -> None:
     """`runtime:` is one the harness knows, for an artifact whose kind it runs (a browser runtime:
     ONNX files only); a `step:` stage runs on the item's backend, so names none."""
-    from ..backends.prebuilt import NATIVE, RUNTIMES, runtime_problem
-
     where = _where(port.source, stage.name, "runtime")
     if stage.runtime not in RUNTIMES:
         raise PortError(f"{where}: unknown runtime {stage.runtime!r}; runtimes: {', '.join(RUNTIMES)}")
@@ -473,15 +472,7 @@ def _producible(name: str, available: set[str], depth: int = 0) -> bool:
     return all(_producible(n, available, depth + 1) for n in HOST_GLUE[name])
 
 
-def _family(dtype: str | None) -> str | None:
-    if dtype is None:
-        return None
-    return "float" if "float" in dtype else "bool" if dtype == "bool" else "int"
-
-
 def check_declared(port: Port, stage: StageSpec) -> None:
-    from ..backends.prebuilt import describe
-
     for f in stage.files(port.root):
         try:
             ins, outs = describe(f)
@@ -524,8 +515,8 @@ def check_fits(port: Port, stage: StageSpec, side: str, io_name: str, ref: Tenso
     if p.rank is not None and p.rank not in (rank, rank - 1, rank + 1):
         raise PortError(f"{where}: {f.name} declares {side[:-1]} {io_name!r} {_show(p)} of rank {p.rank}; "
                         f"Kokoro's {tensors.describe(t.name)} has rank {rank}")
-    want = _family(ref.dtype or t.dtype)
-    got = _family(p.dtype)
+    want = family(ref.dtype or t.dtype)
+    got = family(p.dtype)
     if got is not None and want is not None and got != want and not (t.name == "audio" and got == "int"):
         raise PortError(f"{where}: {f.name} declares {side[:-1]} {io_name!r} {_show(p)}; Kokoro's "
                         f"{tensors.describe(t.name)} is {want} (declare `dtype:` if the port converts it)")
@@ -539,7 +530,7 @@ def guess_mapping(ports, side: str, candidates=None) -> tuple[dict[str, str], li
     for p in ports:
         t = tensors.guess(p.name, p.rank, p.dtype, candidates)
         if t is None:
-            t = _by_shape(p, side, candidates, set(mapping.values()))
+            t = by_shape(p, side, candidates, set(mapping.values()))
         if t is None:
             unplaced.append(p.name)
         else:
@@ -547,31 +538,11 @@ def guess_mapping(ports, side: str, candidates=None) -> tuple[dict[str, str], li
     return mapping, unplaced
 
 
-def _by_shape(p, side: str, candidates, taken: set[str]) -> str | None:
-    fam = _family(p.dtype)
-    shape = p.shape or ()
-    if side == "inputs":
-        if fam == "int" and p.rank in (1, 2) and "input_ids" not in taken:
-            return "input_ids"
-        if fam == "float" and shape and shape[-1] == 256 and "ref_s" not in taken:
-            return "ref_s"
-        if fam == "float" and p.rank in (0, 1) and "speed" not in taken:
-            return "speed"
-        return None
-    if fam == "float" and p.rank in (1, 2, 3) and "audio" not in taken:
-        return "audio"
-    if fam == "int" and p.rank in (1, 2) and "pred_dur" not in taken:
-        return "pred_dur"
-    return None
-
-
 def whole_model_port(artifact: str | Path, runtime: str = "native") -> Port:
     """The one-stage port of a whole-model artifact (tokens, style, speed in; audio, maybe
     durations out), its mapping guessed from the declared names, ranks and dtypes; a declared
     input or output that fits nothing is one clear error naming it and what was expected. Its
     stage runs on `runtime` (`--artifact-runtime`)."""
-    from ..backends.prebuilt import describe, kind_of, runtime_problem
-
     artifact = Path(artifact).resolve()
     source = f"(whole-model port of {artifact.name})"
     if not artifact.exists():
@@ -598,7 +569,7 @@ def whole_model_port(artifact: str | Path, runtime: str = "native") -> Port:
     if outs is not None and "audio" not in outputs.values():
         raise PortError(f"{source}, field 'outputs': {artifact.name} has no audio output among "
                         f"{[q.name for q in outs]}")
-    precision = "int8" if _is_int8(artifact) else "float32"
+    precision = "int8" if is_int8(artifact) else "float32"
     spec = PortSpec(name=artifact.stem.replace(".", "_"), stages=[StageSpec(
         name="whole", artifact=str(artifact), precision=precision, runtime=runtime, noise="own", inputs=inputs,
         outputs=outputs)])
@@ -610,17 +581,6 @@ def whole_model_port(artifact: str | Path, runtime: str = "native") -> Port:
     for io_name, ref in spec.stages[0].outputs.items():
         check_fits(port, spec.stages[0], "outputs", io_name, ref, next(q for q in outs if q.name == io_name), artifact)
     return port
-
-
-def _is_int8(artifact: Path) -> bool:
-    """An ONNX with integer matmuls/convolutions (dynamic quantization) is an int8 artifact."""
-    if artifact.suffix.lower() != ".onnx":
-        return False
-    import onnx
-
-    ops = {n.op_type for n in onnx.load(str(artifact), load_external_data=False).graph.node}
-    return bool(ops & {"MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
-                       "DynamicQuantizeLSTM"})
 
 
 def open_port(spec: str, runtime: str = "native") -> Port:

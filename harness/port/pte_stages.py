@@ -25,11 +25,22 @@ call have no boundary of their own, and the rows say so.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
+from ..metrics.tensor import compare_to_floor
+from ..plumbing.files import save_tensors
+from ..plumbing.jobs import run_job
+from ..reference import module_captures
+from ..steps import STEP_NAMES, get_step
+from ..verdict import comparator
+from .differences import difference_kind
+from .matching import best_layout
+from .onnx_stages import stage_lines
 
 MAX_DEPTH = 3  # module levels below the step's module kept in the table (the first failing one always)
 DEBUG_BUFFER_SLACK = 1.5  # the debug buffer: the graph's activations, times this, plus 16 MB
@@ -43,8 +54,6 @@ NO_ETRECORD = ("judged whole: no ETRecord (export with `to_edge_transform_and_lo
 def etrecord_for(item, specs: list[str]) -> Path | None:
     """The ETRecord of an artifact item: `--etrecord STEP=PATH` for its step, a bare `--etrecord PATH`
     (every .pte), else `<artifact stem>.etrecord` beside the artifact; None when there is none."""
-    from ..steps import STEP_NAMES
-
     path = Path(item.path)
     for spec in specs or []:
         step, sep, rest = spec.partition("=")
@@ -76,9 +85,6 @@ def _activation_bytes(etrecord) -> int:
 def etdump_job(artifact: str, etrecord: str, inputs_path: str, out_dir: str) -> dict:
     """Job function: run the .pte once with ETDump and intermediate outputs, read them with the
     ETRecord, write one row per runtime operator (module stacks, first output) to events.pt."""
-    import logging
-    import warnings
-
     from executorch.devtools import Inspector, parse_etrecord
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
@@ -261,9 +267,6 @@ def boundaries(events: list[dict], handles: dict[int, dict], chains: dict[int, l
 def localize_pte(session, item, rec, etrecord, log=print) -> dict:
     """`--bisect` on a failing `--artifact STEP=model.pte` item: fills `rec.bisect` (kind
     `pte-etdump`) and rewrites the record; without an ETRecord, says why nothing is localized."""
-    from ..plumbing.files import save_tensors
-    from ..plumbing.jobs import run_job
-
     path = Path(getattr(item, "path", "") or item.spec.partition("=")[2])
     error = None
     if item.step == "e2e" or not hasattr(item, "path"):
@@ -302,13 +305,6 @@ def localize_pte(session, item, rec, etrecord, log=print) -> dict:
 
 def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etrecord: Path) -> dict:
     """Each mapped module's boundary against the reference captures: rows in onnx_stages' shape."""
-    from ..metrics.tensor import compare_to_floor
-    from ..reference import module_captures
-    from ..steps import get_step
-    from ..verdict import comparator
-    from .differences import difference_kind
-    from .onnx_stages import _best_layout
-
     events, gaps, handles = dumped["events"], dumped["graph_gaps"], dumped["handles"]
     kmodel = session.model.kmodel
     step_path = get_step(item.step).module_path
@@ -336,7 +332,7 @@ def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etr
             continue
         event = events[found[path]]
         r32, r64 = captures[(f"{path}:out", "float32")], captures[(f"{path}:out", "float64")]
-        value = torch.as_tensor(_best_layout(event["out"].float().numpy(), r32))
+        value = torch.as_tensor(best_layout(event["out"].float().numpy(), r32))
         m = compare_to_floor(value, r32, r64)
         ok, reason = check(m)
         gap = max((gaps.get(h, math.nan) for h in event["handles"]), default=math.nan)
@@ -398,8 +394,6 @@ def _shared_instances(kmodel) -> dict[str, str]:
 
 def pte_lines(b: dict) -> list[str]:
     """onnx_stages' table (`stage_lines`), said of a .pte: chained errors only, and the first module."""
-    from .onnx_stages import stage_lines
-
     if b.get("error"):
         return [b["error"]]
     lines = [line for line in stage_lines(b) if not line.startswith("first stage whose local error")]

@@ -28,6 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..steps import BertStep, DurationStageStep, F0NStep, TextEncoderStep
+from . import tensors
+from ..backends.prebuilt import describe
+from ..model import build_empty_kmodel
+from ..patches import apply_patches, provide_noise
+from ..plumbing.files import atomic_write_text
 
 # The patches every exported stage needs: noise as inputs, no dropout, weight_norm folded, the
 # LSTMs unpacked (exact at batch 1 on exact lengths).
@@ -95,8 +100,6 @@ def _stft(gen: nn.Module, raw_atan2: bool = False) -> ExactSTFT:
 def harmonic_source(gen: nn.Module, stft: ExactSTFT, F0_pred, rand_ini, sine_noise) -> torch.Tensor:
     """Generator.forward's no-grad head: F0 upsampled to samples, the NSF harmonic source (its
     noise read from the inputs: the noise_as_input patch), and its STFT `har` [B, N+2, frames]."""
-    from ..patches import provide_noise
-
     f0 = gen.f0_upsamp(F0_pred[:, None]).transpose(1, 2)
     with provide_noise(dict(rand_ini=rand_ini, sine_noise=sine_noise)):
         sine, _uv, _noise = gen.m_source.l_sin_gen(f0)
@@ -269,8 +272,6 @@ class ActiveDropout(nn.Module):
 
 @functools.lru_cache(maxsize=1)
 def _empty_kmodel() -> nn.Module:
-    from ..model import build_empty_kmodel
-
     return build_empty_kmodel()
 
 
@@ -411,8 +412,6 @@ def parse_defect(text: str | None, split: str) -> DefectSpec | None:
 
 
 def _is_float_input(name: str) -> bool:
-    from . import tensors
-
     t = tensors.VOCAB.get(INPUT_TENSORS.get(name, name))
     return t is None or t.dtype.startswith("float")  # module references are float activations
 
@@ -421,8 +420,6 @@ def defect_module(stage: StageDef, model, km: nn.Module, defect: DefectSpec | No
                   patches: tuple[str, ...] = EXPORT_PATCHES) -> nn.Module:
     """The stage's module, with `defect` when it is this stage's. `km` is the model with `patches`
     (the export's); the dropout and weight_norm defects take their own copy of it."""
-    from ..patches import apply_patches
-
     ours = defect is not None and defect.stage == stage.name
     kind = defect.kind if ours else None
     if kind == "dropout":
@@ -443,8 +440,6 @@ def defect_module(stage: StageDef, model, km: nn.Module, defect: DefectSpec | No
 
 def stage_inputs(traces, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
     """A stage's example inputs: the reference's tensors at its boundary (exact lengths)."""
-    from . import tensors
-
     return tuple(tensors.reference(INPUT_TENSORS.get(n, n), traces, "float32") for n in names)
 
 
@@ -454,9 +449,6 @@ def export_split(split: str, model, traces, out_dir: Path, defect: DefectSpec | 
     the case's lengths as dynamic axes) and write `<out_dir>/port.yaml`; returns the port file.
     `only`: re-export just these stages (the others' files are already there). `traces` must hold
     the module captures of HAR and CONV_POST (`reference.module_captures`)."""
-    from ..patches import apply_patches
-    from ..plumbing.files import atomic_write_text
-
     km = None
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# {split}, exported from {model.name} for case {traces.case_id!r} by "
@@ -514,6 +506,4 @@ def _seed_dropouts(path: Path) -> None:
 
 def _declared_inputs(path: Path) -> set[str]:
     """The exporter drops inputs the graph does not read: the port maps only the declared ones."""
-    from ..backends.prebuilt import describe
-
     return {p.name for p in describe(path)[0]}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..steps import STEPS
+from ..model import build_empty_kmodel
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,6 @@ def module_refs(names) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def module_paths() -> tuple[str, ...]:
     """Every module path of Kokoro's KModel (the architecture, default-initialised: no weights)."""
-    from ..model import build_empty_kmodel
-
     return tuple(p for p, _ in build_empty_kmodel().named_modules() if p)
 
 

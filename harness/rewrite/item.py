@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -25,6 +26,8 @@ from ..record import Record, item_id, versions
 from ..verdict import Verdict, band_comparator, comparator
 from .adapter import Adapter, Mapped
 from .captures import module_io, reference_models
+from ..metrics.audio import audio_metrics
+from ..port.noise import DIRECTIONS, noise_band, session_k
 
 
 @dataclass(frozen=True)
@@ -142,9 +145,6 @@ def judge_local(value: torch.Tensor, out32: torch.Tensor, out64: torch.Tensor, t
 def judge_pipeline(session, item: RewriteItem, model, traces, tol, rec) -> list[str]:
     """The rewrite's own tokens -> audio (its own noise): its durations against the reference's
     exactly, its audio against the noise band; the failures, as the reason says them."""
-    from ..metrics.audio import audio_metrics
-    from ..port.noise import DIRECTIONS, noise_band, session_k
-
     case = session.cases[item.case]
     got = item.adapter.synthesize(model, case.phonemes, reference_tensor("ref_s", traces), case.speed)
     if got is None:
@@ -176,8 +176,6 @@ def judge_pipeline(session, item: RewriteItem, model, traces, tol, rec) -> list[
 
 
 def rewrite_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for pkg in ("mlx", "mlx-audio"):
         try:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .adapter import Adapter
+from ..architecture import kokoro_config
 
 PACKAGES = ("mlx", "mlx_audio")
 INSTALL = "pip install -e '.[mlx]'"
@@ -167,8 +168,6 @@ class MlxAudio(Adapter):
 def kmodel_config(kmodel: torch.nn.Module) -> dict:
     """The config the harness built `kmodel` from (harness.architecture), as mlx-audio's
     ModelConfig takes it."""
-    from ..architecture import kokoro_config
-
     return kokoro_config()
 
 

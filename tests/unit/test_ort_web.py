@@ -408,12 +408,8 @@ def test_a_whole_model_onnx_gets_one_item_per_runtime(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from harness import options
-    from harness.backends.prebuilt import RUNTIMES
     from harness.port.chain import port_items
     from harness.port.portfile import open_port
-
-    assert options.ARTIFACT_RUNTIMES == RUNTIMES  # the faces' choices, spelled where no backend is imported
 
     graph = helper.make_graph(
         [helper.make_node("Mul", ["style", "speed"], ["waveform"])], "whole",
@@ -432,3 +428,12 @@ def test_a_whole_model_onnx_gets_one_item_per_runtime(tmp_path):
     (tmp_path / "kokoro.pte").write_bytes(b"")
     with pytest.raises(ValueError, match=r"--artifact e2e=.*kokoro.pte: runtime 'ort-web-wasm' runs ONNX files"):
         port_items(session, [f"e2e={tmp_path / 'kokoro.pte'}"], runtimes=("ort-web-wasm",))
+
+
+def test_each_web_runtime_an_artifact_may_name_is_a_registered_backend():
+    """`--artifact-runtime` and a port stage's `runtime:` offer options.WEB_RUNTIMES (spelled where
+    no backend is imported): each must be a backend the registry can build."""
+    from harness.backends import registry
+    from harness.options import WEB_RUNTIMES
+
+    assert WEB_RUNTIMES and set(WEB_RUNTIMES) <= set(registry())

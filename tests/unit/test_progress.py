@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import progress
 from tests.unit.conftest import child_pytest_env
@@ -139,6 +140,43 @@ def test_pytest_line_goes_after_pytests_text_and_gives_it_back():
     assert "x" * 51 not in value  # clipped to the width
 
 
+def test_a_step_s_references_show_a_phase_when_computed_and_none_when_read_again(cache, monkeypatch):
+    """`StepReferences`: the first read of a step computes its references under one phase naming
+    the step; a second read (the same or another mode and dtype of that step) finds them in memory
+    and shows nothing; another case's traces read them from the disk cache, showing nothing."""
+    from types import SimpleNamespace
+
+    from harness import reference
+
+    computed = []
+
+    def fake_step_references(model, traces, steps):
+        computed.append(steps[0].name)
+        with progress.phase("references", subject=f"{traces.case_id} {steps[0].name}"):
+            return {(steps[0].name, mode, dtype): ({}, {"x": torch.zeros(1)})
+                    for mode in reference.MODES for dtype in ("float32", "float64")}
+
+    monkeypatch.setattr(reference, "_step_references", fake_step_references)
+    model, case = SimpleNamespace(digest="m" * 8), SimpleNamespace(id="tiny", digest="c" * 8)
+    traces = SimpleNamespace(case_id="tiny")
+    lines = []
+    with progress.displayed(progress.PlainLines(lines.append)):
+        refs = reference.StepReferences(model, case, traces)
+        assert ("decoder", "dynamic", "float32") in refs
+        refs[("decoder", "dynamic", "float32")]
+        first = list(lines)
+        refs[("decoder", "dynamic", "float32")]
+        refs[("decoder", "static", "float64")]
+        assert refs.get(("decoder", "static", "float32")) is not None
+        second = lines[len(first):]
+        again = reference.StepReferences(model, case, traces)  # a new process's: the disk cache
+        again[("decoder", "dynamic", "float64")]
+        third = lines[len(first) + len(second):]
+    assert first == ["kokoro-parity: references tiny decoder ...",
+                     first[1]] and first[1].startswith("kokoro-parity: references tiny decoder: done in"), first
+    assert second == [] and third == [] and computed == ["decoder"]
+
+
 # ---- through pytest ---------------------------------------------------------------------------
 
 def run_pytest(tmp_path, *args, reports="reports"):
@@ -161,7 +199,7 @@ def test_a_first_run_shows_its_phases_in_a_log_and_quiet_shows_none(tmp_path):
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     out = run_pytest(tmp_path)  # not a terminal: plain lines
-    for phase in ("loading the model random:0", "references: Kokoro's chain tiny", "references tiny dynamic float64",
+    for phase in ("loading the model random:0", "references: Kokoro's chain tiny", "references tiny bert_encoder",
                   "exporting bert_encoder tiny-bert_encoder-eager-dynamic",
                   "lowering tiny-bert_encoder-eager-dynamic", "running tiny-bert_encoder-eager-dynamic",
                   "judging tiny-bert_encoder-eager-dynamic"):
@@ -175,6 +213,7 @@ def test_a_first_run_shows_its_phases_in_a_log_and_quiet_shows_none(tmp_path):
     again = run_pytest(tmp_path, reports="again")  # warm: no export, no lowering to show
     assert "kokoro-parity: running tiny-bert_encoder-eager-dynamic (last" in again
     assert "kokoro-parity: exporting" not in again and "kokoro-parity: lowering" not in again
+    assert "kokoro-parity: references" not in again  # read from the cache: nothing computed
 
     quiet = run_pytest(tmp_path, "-q")
     assert "kokoro-parity:" not in quiet and "1 passed" in quiet
