@@ -65,7 +65,15 @@ class WarmWorker:
 
     def serves(self, preload: dict) -> bool:
         """Whether this (started) worker's process fits a job with `preload` in today's environment."""
-        return self.preload == preload and (self.proc is None or self.env == dict(os.environ))
+        return self.preload == preload and (self.proc is None or not self.env_changed())
+
+    def env_changed(self) -> bool:
+        """Whether the environment differs from the one the process started with (what a job can
+        see: pytest rewrites PYTEST_CURRENT_TEST at every phase of every test, which changes nothing
+        a job computes)."""
+        def job_env(env) -> dict[str, str]:
+            return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+        return job_env(self.env) != job_env(os.environ)
 
     def start(self) -> None:
         """Start the process now (its preload runs while the parent does other work)."""
@@ -174,12 +182,6 @@ def run_spare_job(preload: dict, function: str, kwargs: dict[str, Any], workdir:
     return result
 
 
-def _job_env(env) -> dict[str, str]:
-    """What of an environment a job can see: pytest renames PYTEST_CURRENT_TEST at every phase of
-    every test, which changes nothing a job computes."""
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-
-
 class JobProcess(WarmWorker):
     """A worker for one kind of heavy job (a localization's probes, a run's exports) that would
     pay the same imports in every fresh child: torch, kokoro and the model's build, a runtime. Its
@@ -187,7 +189,7 @@ class JobProcess(WarmWorker):
     a cache switched on between jobs) starts a new process, as a fresh child would have seen it."""
 
     def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
-        if self.proc is not None and _job_env(self.env) != _job_env(os.environ):
+        if self.proc is not None and self.env_changed():
             self.stop()
         result = super().run_job(function, kwargs, workdir, timeout)
         result.extra.pop("warm_worker", None)
