@@ -17,10 +17,11 @@ import json
 import sys
 import threading
 import time
-from .plumbing import cache
-from .plumbing.files import atomic_write_json
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
+
+from .plumbing import cache
+from .plumbing.files import atomic_write_json
 
 LEDGER = "seconds.json"
 

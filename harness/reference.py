@@ -198,14 +198,15 @@ def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step]) 
     time is remembered under its own name)."""
     io = {}
     one = steps[0].name if len(steps) == 1 else None
-    with (progress.phase("references", subject=f"{traces.case_id} {one}") if one
-          else contextlib.nullcontext()) as whole:
+    whole = progress.phase("references", subject=f"{traces.case_id} {one}") if one else contextlib.nullcontext()
+    with whole as one_phase:
         for mode in MODES:
             km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
             km64 = to_float64(copy.deepcopy(km32))
             for dtype, km in (("float32", km32), ("float64", km64)):
-                with (contextlib.nullcontext(whole) if one
-                      else progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}")) as shown:
+                each = (contextlib.nullcontext(one_phase) if one
+                        else progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}"))
+                with each as shown:
                     for step in steps:
                         shown.update(f"{mode} {dtype}" if one else step.name)
                         base = ({k: traces.chain[k] for k in step.input_names} if mode == "dynamic"
