@@ -304,7 +304,14 @@ def _ml_dtype(feature_type) -> str | None:
     return _ML_DTYPES.get(name)
 
 
+# c10::ScalarType's numbers: ExecuTorch's TensorInfo.dtype() gives the number, not a name
+ET_SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16", 6: "float32",
+                   7: "float64", 11: "bool", 15: "bfloat16"}
+
+
 def _et_dtype(name: str) -> str:
+    if name.isdigit():
+        return ET_SCALAR_TYPES.get(int(name), f"scalar type {name}")
     name = name.split(".")[-1].lower()
     return {"float": "float32", "half": "float16", "long": "int64", "int": "int32", "double": "float64"}.get(name, name)
 

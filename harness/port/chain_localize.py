@@ -6,8 +6,10 @@
   (onnx_steps' placement over the whole model's modules) with parameters, each judged chained
   (the stage fed the reference's values at its boundary) and locally (its subgraph fed the
   reference's inputs of the module), as one step's ONNX is (onnx_steps.localize_modules).
-- *Anything else is judged whole*, one line each saying why: a `.pte` (a port file names no
-  ETRecord; its ETRecord localization covers a `.pte` judged as one step), a Core ML package or
+- *A chain's `.pte` stage* with its ETRecord (the stage's `etrecord:` field, or `<stem>.etrecord`
+  beside it): one run with ETDump fed the reference's values at its boundary, each Kokoro module its
+  ETRecord's module stacks reach judged chained inside it (pte_stages.localize_pte_file).
+- *Anything else is judged whole*, one line each saying why: a `.pte` without an ETRecord, a Core ML package or
   compiled library (no intermediate values), a harness step (its backend's item is localized), a
   bucketed stage (module references exist for the exact lengths only).
 
@@ -23,10 +25,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..backends.prebuilt import describe, kind_of
+from ..patches import NOISE_INPUTS
 from .onnx_stages import localize, native_localization, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
-from .pte_stages import pte_lines
+from .pte_stages import NO_ETRECORD, PteTarget, localize_pte_file, pte_lines
 from .tensors import reference, to_artifact
 
 WHOLE_MODEL_INPUTS = {"input_ids", "ref_s", "speed"}  # a stage fed only these computes the whole model
@@ -76,6 +79,8 @@ def localize_stage(session, item, port: Port, stage: StageSpec, rec, log, module
     run_dir = session.report_dir / "runs" / item.id / "localize"
     if whole_model(stage):
         localize(session, path, item.case, rec, tol, run_dir / stage.name if chain else run_dir, log)
+    elif kind_of(path) == "executorch":
+        localize_pte_stage(session, item, stage, port.root, rec, tol, run_dir / stage.name, log)
     else:
         localize_port_stage(session, item, stage, path, modules(), rec, tol, run_dir / stage.name, log)
     native_localization(rec, stage.runtime, log)
@@ -93,11 +98,11 @@ def judged_whole(port: Port, stage: StageSpec) -> str | None:
                 f"that step's backend item localizes inside it)")
     path = port.root / stage.artifact
     kind = kind_of(path)
-    if kind == "executorch":
-        return (f"stage {stage.name!r} ({path.name}): not localized: a port file names no ETRecord (no field "
-                f"`etrecord:`), and the ETRecord localization covers a .pte judged as one step (--artifact "
-                f"STEP=PATH --etrecord=...): judged whole")
-    if kind != "onnx":
+    if kind == "executorch" and not stage.buckets:
+        return None if stage.etrecord_for(port.root) else (
+            f"stage {stage.name!r} ({path.name}): not localized: {NO_ETRECORD.removeprefix('judged whole: ')}; "
+            f"in a port file: the stage's field `etrecord:`, or {path.with_suffix('.etrecord').name} beside it")
+    if kind not in ("onnx", "executorch"):
         return (f"stage {stage.name!r} ({path.name}): a {kind} artifact exposes no intermediate values to the "
                 f"harness: judged whole")
     if stage.buckets:
@@ -128,6 +133,21 @@ def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, 
                             tol, run_dir, where, log=log)
 
 
+def localize_pte_stage(session, item, stage: StageSpec, root: Path, rec, tol, run_dir: Path, log) -> None:
+    """A chain's .pte stage fed the reference's tensors at its boundary, one run with ETDump: each
+    Kokoro module its ETRecord's module stacks reach, judged chained inside the stage
+    (pte_stages.localize_pte_file; the Kokoro module it computes is found from those stacks)."""
+    traces = session.traces(item.case)
+    ins, _ = describe(stage.file_for(root))
+    feed = []
+    for i, p in enumerate(ins):
+        ref = stage.inputs.get(p.name) or list(stage.inputs.values())[i]
+        feed.append(to_artifact(reference(ref.tensor, traces, "float32"), p, ref.dtype))
+    target = PteTarget(stage.file_for(root), stage.etrecord_for(root), item.case, None, "dynamic", tol,
+                       any(r.tensor in NOISE_INPUTS for r in stage.inputs.values()), stage.name)
+    localize_pte_file(session, target, feed, rec, run_dir, log)
+
+
 # ---- the chain's findings --------------------------------------------------------------------------
 
 def stage_defects(b: dict) -> list[tuple[str, str]]:
@@ -136,6 +156,9 @@ def stage_defects(b: dict) -> list[tuple[str, str]]:
     fails with it) and whose chained value does not hold it (that would be the cut's)."""
     if b.get("defects"):
         return [(d["stage"], d["kind"]) for d in b["defects"]]
+    if b.get("kind") == "pte-etdump":  # chained errors: the first failing module; those after it accumulate
+        first = next((e for e in b.get("stages") or () if e["stage"] == b.get("first_stage")), None)
+        return [(first["stage"], first["chained"]["kind"])] if first else []
     failing = [e for e in b.get("stages") or () if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]
                and "fed otherwise" not in e.get("note", "")]
     names = {e["stage"] for e in failing}

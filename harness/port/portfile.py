@@ -96,6 +96,9 @@ class StageSpec(BaseModel):
     # own (draws its own: the noise band) | inputs (noise is an input) | none (draws none); when the
     # file says nothing, found from the stage by load_port (harness.port.noise.stage_noise)
     noise: Literal["own", "inputs", "none"] | None = None
+    # a .pte's ETRecord (relative to the port file; default: `<artifact stem>.etrecord` beside it):
+    # `--bisect` localizes inside the stage through ExecuTorch's ETDump (harness.port.pte_stages)
+    etrecord: str | None = None
     inputs: dict[str, TensorRef]
     outputs: dict[str, TensorRef]
 
@@ -140,6 +143,13 @@ class StageSpec(BaseModel):
             raise PortError(f"stage {self.name!r}, field 'buckets': {size} {unit} exceed the largest "
                             f"bucket {max(sizes) if sizes else '(none)'}")
         return fits[0]
+
+    def etrecord_for(self, root: Path) -> Path | None:
+        """The stage's ETRecord: its `etrecord:` field, else `<artifact stem>.etrecord` beside a .pte."""
+        if self.etrecord is not None:
+            return root / self.etrecord
+        beside = (root / self.artifact).with_suffix(".etrecord") if (self.artifact or "").endswith(".pte") else None
+        return beside if beside is not None and beside.is_file() else None
 
     def file_for(self, root: Path, bucket: int | dict[str, int] | None = None) -> Path:
         """The artifact of `bucket` (a size from `bucket_for`, or {unit: size}), or the stage's one file."""
@@ -362,6 +372,7 @@ def validate(port: Port, describe_artifacts: bool = True) -> None:
                                         f"computes a stage's input; an output comes from the artifact")
                     _check_glue(port, stage.name, f"inputs.{io_name}.glue", ref.glue)
         _check_buckets(port, stage)
+        _check_etrecord(port, stage)
         for f in stage.files(port.root):
             if not f.exists():
                 raise PortError(f"{_where(port.source, stage.name, 'artifact')}: {f} does not exist")
@@ -402,6 +413,18 @@ def _check_source(port: Port, stage: StageSpec) -> None:
     if stage.buckets is not None and not isinstance(stage.buckets, dict):
         raise PortError(f"{_where(port.source, stage.name, 'buckets')}: a step stage names the unit of its "
                         f"buckets, e.g. `{{frames: [120, 200]}}` or `{{tokens: case}}`")
+
+
+def _check_etrecord(port: Port, stage: StageSpec) -> None:
+    """`etrecord:` belongs to a single `.pte` stage, and the file exists."""
+    if stage.etrecord is None:
+        return
+    where = _where(port.source, stage.name, "etrecord")
+    if not (stage.artifact or "").endswith(".pte") or stage.buckets:
+        raise PortError(f"{where}: an ETRecord belongs to a single .pte artifact, not to "
+                        f"{stage.artifact or 'step: ' + str(stage.step)!r}")
+    if not (port.root / stage.etrecord).is_file():
+        raise PortError(f"{where}: {port.root / stage.etrecord} does not exist")
 
 
 def _check_runtime(port: Port, stage: StageSpec) -> None:

@@ -29,12 +29,15 @@ import logging
 import math
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from ..metrics.tensor import compare_to_floor
 from ..plumbing.files import save_tensors
 from ..plumbing.jobs import run_job
+from ..patches import NOISE_INPUTS
 from ..reference import module_captures
 from ..steps import STEP_NAMES, get_step
 from ..verdict import comparator
@@ -264,6 +267,22 @@ def boundaries(events: list[dict], handles: dict[int, dict], chains: dict[int, l
 
 # ---- the localization ------------------------------------------------------------------------
 
+@dataclass
+class PteTarget:
+    """What one localization inside a .pte is about: the file and its ETRecord, the case, the Kokoro
+    module it computes (`root`: a step's module; None for a port's stage: found from the ETRecord's
+    module stacks), the reference's mode, the tolerance, and whether its noise is an input."""
+
+    artifact: Path
+    etrecord: Path
+    case: str
+    root: str | None
+    mode: str
+    tol: object
+    noisy: bool
+    label: str  # the step or stage, for the record
+
+
 def localize_pte(session, item, rec, etrecord, log=print) -> dict:
     """`--bisect` on a failing `--artifact STEP=model.pte` item: fills `rec.bisect` (kind
     `pte-etdump`) and rewrites the record; without an ETRecord, says why nothing is localized."""
@@ -280,38 +299,69 @@ def localize_pte(session, item, rec, etrecord, log=print) -> dict:
         log(error)
         rec.write(session.report_dir / "records")
         return rec.bisect
-    traces = session.traces(item.case)
-    inputs = traces.inputs(item.step, item.mode, "float32")
+    inputs = session.traces(item.case).inputs(item.step, item.mode, "float32")
     mapping = list((rec.audit or {}).get("input_mapping", {}).values()) or list(inputs)
-    run_dir = session.report_dir / "runs" / item.id / "localize"
-    save_tensors(run_dir / "inputs.pt", [inputs[n] for n in mapping])
-    log(f"localizing inside {path.name}: ETDump with intermediate outputs, ETRecord {Path(etrecord).name} ...")
+    step = get_step(item.step)
+    target = PteTarget(path, Path(etrecord), item.case, step.module_path, item.mode,
+                       session.profile.for_(item.step, item.backend, item.mode),
+                       any(n in step.input_names for n in NOISE_INPUTS), item.step)
+    localize_pte_file(session, target, [inputs[n] for n in mapping], rec,
+                      session.report_dir / "runs" / item.id / "localize", log)
+    rec.write(session.report_dir / "records")
+    return rec.bisect
+
+
+def localize_pte_file(session, target: PteTarget, inputs: list[torch.Tensor], rec, run_dir: Path, log) -> None:
+    """One run of the .pte with ETDump (a child process), judged module by module into `rec.bisect`."""
+    path = target.artifact
+    save_tensors(run_dir / "inputs.pt", inputs)
+    log(f"localizing inside {path.name}: ETDump with intermediate outputs, ETRecord {target.etrecord.name} ...")
     result = run_job("harness.port.pte_stages:etdump_job",
-                     dict(artifact=str(path.resolve()), etrecord=str(Path(etrecord).resolve()),
+                     dict(artifact=str(path.resolve()), etrecord=str(target.etrecord.resolve()),
                           inputs_path=str(run_dir / "inputs.pt"), out_dir=str(run_dir)),
                      run_dir / "job", session.limits.run_s * 2)
     if not result.ok:
         rec.bisect = {"error": f"localization inside {path.name} failed ({result.status}): {result.error}"}
         log(rec.bisect["error"])
-        rec.write(session.report_dir / "records")
-        return rec.bisect
+        return
     dumped = torch.load(run_dir / "events.pt", weights_only=False)
-    rec.bisect = judge_events(session, item, dumped, result.value, path, Path(etrecord))
+    rec.bisect = judge_events(session, target, dumped, result.value)
     for line in pte_lines(rec.bisect):
         log(line)
-    rec.write(session.report_dir / "records")
-    return rec.bisect
 
 
-def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etrecord: Path) -> dict:
+def stage_root(handles: dict[int, dict], kmodel) -> str:
+    """The Kokoro module a user's .pte computes, from its ETRecord's module stacks: the module of
+    the root entry's class under which most of the stacks' paths exist, else Kokoro itself (a
+    wrapper whose paths start at `kmodel.`)."""
+    stacks = [s for info in handles.values() for s in info["stacks"] if s]
+    root_type = next((s[0][2] for s in stacks), "")
+    paths = {p for s in stacks for _k, p, _t in s[1:] if p}
+
+    def score(base: str) -> int:
+        found = 0
+        for p in paths:
+            try:
+                kmodel.get_submodule(".".join(x for x in (base, p.removeprefix("kmodel.")) if x))
+                found += 1
+            except AttributeError:
+                pass
+        return found
+
+    same = [p for p, m in kmodel.named_modules() if p and type(m).__name__ == str(root_type).rsplit(".", 1)[-1]]
+    best = max(["", *same], key=score)
+    return best
+
+
+def judge_events(session, target: PteTarget, dumped: dict, summary: dict) -> dict:
     """Each mapped module's boundary against the reference captures: rows in onnx_stages' shape."""
     events, gaps, handles = dumped["events"], dumped["graph_gaps"], dumped["handles"]
     kmodel = session.model.kmodel
-    step_path = get_step(item.step).module_path
+    step_path = target.root if target.root is not None else stage_root(handles, kmodel)
     chains = handle_modules(handles, kmodel, step_path)
     paths = list(dict.fromkeys(p for h in sorted(chains, key=lambda h: handles[h]["pos"]) for p, _ in chains[h]))
     shared = _shared_instances(kmodel)
-    case, traces = session.cases[item.case], session.traces(item.case)
+    case, traces = session.cases[target.case], session.traces(target.case)
     captures = _captures(session.model, case, traces, [p for p in paths if p not in shared], module_captures)
     sizes = {p: captures[(f"{p}:out", "float32")].numel() for p in paths if (f"{p}:out", "float32") in captures}
     found, why = boundaries(events, handles, chains, sizes)
@@ -320,51 +370,51 @@ def judge_events(session, item, dumped: dict, summary: dict, artifact: Path, etr
             found.pop(path, None)
             why[path] = (f"one instance with {shared[path]} (Kokoro reuses the module): the reference "
                          f"captures only that one's first call")
-    tol = session.profile.for_(item.step, item.backend, item.mode)
-    check = comparator(tol)
-    rows = []
-    for path in paths:
-        depth = path.count(".") - step_path.count(".") if step_path else path.count(".") + 1
-        entry = {"stage": path, "depth": depth, "mapped": path in found}
-        if path not in found:
-            entry.update(what="", why=why.get(path, "not run"))
-            rows.append(entry)
-            continue
-        event = events[found[path]]
-        r32, r64 = captures[(f"{path}:out", "float32")], captures[(f"{path}:out", "float64")]
-        value = torch.as_tensor(best_layout(event["out"].float().numpy(), r32))
-        m = compare_to_floor(value, r32, r64)
-        ok, reason = check(m)
-        gap = max((gaps.get(h, math.nan) for h in event["handles"]), default=math.nan)
-        kind = difference_kind(value.reshape(1, -1), r64.reshape(1, -1))
-        if not ok and not math.isnan(gap):
-            within = gap <= max(tol.rel_l2, tol.floor_multiplier * m["floor_rel_l2"])
-            kind += (f"; the runtime computes its exported graph (rel {gap:.1e}): the defect is in the export"
-                     if within else f"; the runtime departs from its own exported graph by rel {gap:.1e}")
-        pos = max(handles[x]["pos"] for x in event["handles"] if x in handles)
-        entry.update(what=" + ".join(event["ops"][-1:]) or event["name"], event=found[path], pos=pos,
-                     chained={"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok, "why": reason,
-                              "kind": kind}, graph_gap=gap)
-        rows.append(entry)
+    rows = [_judged_row(path, step_path, found, why, events, handles, gaps, captures, target.tol) for path in paths]
     failing = sorted((r for r in rows if r["mapped"] and not r["chained"]["ok"]),
                      key=lambda r: (r["pos"], -r["depth"]))
     first = failing[0]["stage"] if failing else None
     keep = [r for r in rows if r["depth"] <= MAX_DEPTH or (first and (first == r["stage"] or
                                                                       first.startswith(r["stage"] + ".")))]
     keep.sort(key=lambda r: (r.get("pos", math.inf), -r["depth"]))  # graph order, a module after its parts
-    noisy = any(n in get_step(item.step).input_names for n in ("rand_ini", "sine_noise", "source_noise"))
-    b = {"kind": "pte-etdump", "artifact": str(artifact), "etrecord": str(etrecord), "step": item.step,
+    b = {"kind": "pte-etdump", "artifact": str(target.artifact), "etrecord": str(target.etrecord),
+         "step": target.label, "root": step_path,
          "names": "module paths from the ETRecord's nn_module_stack; errors chained: a .pte cannot be cut",
-         "noise": "given as inputs (the case's)" if noisy else "none drawn", "forced_durations": False,
+         "noise": "given as inputs (the case's)" if target.noisy else "none drawn", "forced_durations": False,
          "stages": keep, "unmapped": [r["stage"] for r in keep if not r["mapped"]],
          "events": summary.get("events"), "delegate_calls": summary.get("delegate_calls"),
          "delegated_ops": summary.get("delegated_ops"), "graph_gap_error": summary.get("graph_gap_error"),
          "modules_seen": len(paths), "modules_mapped": len(found)}
     if first:
         b["first_stage"] = first
-    if item.mode != "dynamic":
+    if target.mode != "dynamic":
         b["note"] = "module references are the dynamic run's: a static (padded) artifact's sizes differ"
     return b
+
+
+def _judged_row(path, step_path, found, why, events, handles, gaps, captures, tol) -> dict:
+    """One module's row: its boundary event against the reference, or why it has none."""
+    depth = path.count(".") - step_path.count(".") if step_path else path.count(".") + 1
+    entry = {"stage": path, "depth": depth, "mapped": path in found}
+    if path not in found:
+        entry.update(what="", why=why.get(path, "not run"))
+        return entry
+    event = events[found[path]]
+    r32, r64 = captures[(f"{path}:out", "float32")], captures[(f"{path}:out", "float64")]
+    value = torch.as_tensor(best_layout(event["out"].float().numpy(), r32))
+    m = compare_to_floor(value, r32, r64)
+    ok, reason = comparator(tol)(m)
+    gap = max((gaps.get(h, math.nan) for h in event["handles"]), default=math.nan)
+    kind = difference_kind(value.reshape(1, -1), r64.reshape(1, -1))
+    if not ok and not math.isnan(gap):
+        within = gap <= max(tol.rel_l2, tol.floor_multiplier * m["floor_rel_l2"])
+        kind += (f"; the runtime computes its exported graph (rel {gap:.1e}): the defect is in the export"
+                 if within else f"; the runtime departs from its own exported graph by rel {gap:.1e}")
+    pos = max(handles[x]["pos"] for x in event["handles"] if x in handles)
+    entry.update(what=" + ".join(event["ops"][-1:]) or event["name"], event=found[path], pos=pos,
+                 chained={"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok, "why": reason,
+                          "kind": kind}, graph_gap=gap)
+    return entry
 
 
 def _captures(model, case, traces, paths: list[str], module_captures) -> dict:

@@ -127,6 +127,9 @@ OK_PORT = "name: p\nstages:\n  - name: s1\n    artifact: a.onnx\n    inputs: {x:
     ("name: p\nstages: {s1: a.onnx}\n", None, "stages", "expected a list, got a mapping"),
     (OK_PORT.replace("stages:", "glue: [aln]\nstages:"), None, "glue", "expected a mapping of Kokoro tensors"),
     ("- name: p\n", None, "(top)", "expected a port: a mapping (name:, stages:), got a list"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    etrecord: a.etrecord\n"), "s1", "etrecord",
+     "an ETRecord belongs to a single .pte artifact"),
+    (OK_PORT.replace("a.onnx\n", "a.onnx\n    etrecord: [a]\n"), "s1", "etrecord", "expected a name (text)"),
 ])
 def test_every_malformed_port_file_is_one_error_naming_file_stage_and_field(tmp_path, capsys, text, stage, field,
                                                                               says):

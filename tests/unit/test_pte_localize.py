@@ -60,6 +60,18 @@ def test_a_delegate_that_runs_past_a_modules_last_op_hides_it(random_model):
     assert "outputs 5 values, the reference module 12" in why["text_encoder"]
 
 
+def test_the_module_a_users_pte_computes_is_found_from_its_module_stacks(random_model):
+    """A port's .pte stage names no step: its root is the Kokoro module of the root entry's class
+    under which the stacks' paths exist, or Kokoro itself for a wrapper whose paths start at kmodel."""
+    from harness.port.pte_stages import stage_root
+
+    own = {1: {"pos": 0, "stacks": [[("L__self__", "", "kokoro.modules.TextEncoder"),
+                                     ("L__self__cnn.2", "cnn.2", "torch.nn.modules.container.Sequential")]]}}
+    assert stage_root(own, random_model.kmodel) == "text_encoder"
+    wrapped = {1: {"pos": 0, "stacks": [[STACK_ROOT, STACK_TE]]}}
+    assert stage_root(wrapped, random_model.kmodel) == ""
+
+
 def test_the_etrecord_is_found_by_step_by_bare_path_or_beside_the_artifact(tmp_path):
     from harness.artifacts import ArtifactItem
     from harness.port.pte_stages import etrecord_for
@@ -135,3 +147,62 @@ def test_a_sign_flip_in_one_module_is_named_through_the_etrecord(tiny_session, t
     rec = check_artifact(tiny_session, item)
     b = localize_pte(tiny_session, item, rec, None, log=lines.append)
     assert "judged whole: no ETRecord" in b["error"] and "generate_etrecord=True" in b["error"]
+
+
+@pytest.mark.slow
+def test_bisect_localizes_inside_a_pte_stage_of_a_chain_through_its_etrecord(tiny_session, tmp_path):
+    """A chain whose first stage is the sign-flipped text encoder `.pte` with its ETRecord (the
+    port file's `etrecord:`), then a harness step: `--bisect` runs the .pte stage with ETDump fed the
+    reference's inputs, finds the Kokoro module it computes from the ETRecord's module stacks, and
+    names `enc/text_encoder.cnn.1` (sign flip) among the chain's defects; the step stage says why it
+    is judged whole. Without the field and without a file beside the .pte, the stage says how to give one."""
+    from harness.port.chain import port_items
+    from harness.port.chain_localize import localize_item
+    from harness.record import Record
+    from harness.verdict import Verdict
+
+    pte, etrecord = _export_with_a_sign_flip(tiny_session, tmp_path, "text_encoder.cnn.1")
+    port = tmp_path / "port.yaml"
+    port.write_text(PTE_CHAIN.format(etrecord=f"etrecord: {etrecord.name}"))
+    (item,) = port_items(tiny_session, [str(port)])
+    rec = Record(item.case, item.step, item.backend, item.mode, Verdict.FAIL, "stage 'enc' leaves its floor")
+    lines = []
+    localize_item(tiny_session, item, rec, log=lines.append)
+    b = rec.bisect
+    enc = b["stages"]["enc"]
+    assert enc["kind"] == "pte-etdump" and enc["root"] == "", "\n".join(lines)  # a step wrapper: paths from kmodel.
+    assert enc["first_stage"] == "text_encoder.cnn.1", "\n".join(lines)
+    assert "judged whole" in b["stages"]["bert"]["error"]
+    (defect,) = b["defects"]
+    assert defect["stage"] == "enc" and defect["module"] == "text_encoder.cnn.1" and defect["kind"].startswith("sign flip")
+    assert "1 defect inside its stages: enc/text_encoder.cnn.1 (sign flip" in rec.reason
+
+    port.write_text(PTE_CHAIN.format(etrecord=""))
+    (item,) = port_items(tiny_session, [str(port)])
+    rec = Record(item.case, item.step, item.backend, item.mode, Verdict.FAIL, "")
+    localize_item(tiny_session, item, rec, log=lines.append)
+    why = rec.bisect["stages"]["enc"]["error"]
+    assert "generate_etrecord=True" in why and "`etrecord:`" in why and "enc.etrecord" in why, why
+
+
+PTE_CHAIN = """name: pte-chain
+stages:
+  - name: enc
+    artifact: enc.pte
+    {etrecord}
+    inputs: {{input_ids: input_ids, input_lengths: input_lengths, text_mask: text_mask}}
+    outputs: {{t_en: t_en}}
+  - name: bert
+    step: bert
+    inputs: {{input_ids: input_ids, attention_mask: attention_mask}}
+    outputs: {{bert_dur: bert_dur}}
+"""
+
+
+def test_executorch_dtypes_are_read_from_their_scalar_type_numbers():
+    """ExecuTorch's TensorInfo.dtype() gives c10's ScalarType number (an int64 input is `4`): a .pte
+    stage's inputs are cast to the dtype it declares, so the number must read as its name."""
+    from harness.backends.prebuilt import _et_dtype
+
+    assert [_et_dtype(str(n)) for n in (4, 6, 11, 5)] == ["int64", "float32", "bool", "float16"]
+    assert _et_dtype("ScalarType.LONG") == "int64" and _et_dtype("99") == "scalar type 99"
