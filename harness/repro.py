@@ -12,7 +12,6 @@ import importlib.metadata as md
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 from .bisect.graph import evaluate, module_path, source_line
 from .metrics import fmt as _fmt
 from .plumbing import cache
-from .plumbing.files import atomic_write_text
+from .plumbing.bundle import bundle_info, write_bundle_dir
 
 CANNOT_RUN_HERE = 2  # repro.py's exit code when the backend cannot run on this machine
 
@@ -223,33 +222,27 @@ The directory is self-contained: `program.pt2` (torch.export.save), `inputs.pt`,
 
 
 def write_bundle(bisector, op: dict, verify: bool = True) -> dict:
-    """Write <report_dir>/repro/<item>/ for a localized op: the failing window's program and
-    inputs (from the probe cache), expected.pt (float64), repro.py, ENV.md and REPORT.md; with
-    `verify`, run repro.py alone and record whether it reproduces."""
+    """Write <report_dir>/repro/<item>/ for a localized op (plumbing.bundle's layout): the failing
+    window's program and inputs (from the probe cache), expected.pt (float64), repro.py, meta.json,
+    ENV.md and REPORT.md; with `verify`, run repro.py alone and record whether it reproduces."""
     window, k, backend = op["window"], op["node"], bisector.backend
-    out_dir = bisector.report_dir / "repro" / bisector.item_id
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
     entry = cache.entry("bisect", window.key)
-    shutil.copyfile(entry / "program.pt2", out_dir / "program.pt2")
-    shutil.copyfile(entry / "inputs.pt", out_dir / "inputs.pt")
     in_names = json.loads((entry / "probe.json").read_text())["inputs"]
     gm, in_names = bisector.graph.carve(window.outputs, in_names)
     inputs = bisector.graph.values32(in_names)
     # float64 only: repro.py computes PyTorch's float32 (the floor) itself, on its machine
-    torch.save({"float64": evaluate(gm, inputs, "float64")}, out_dir / "expected.pt")
+    expected = {"float64": evaluate(gm, inputs, "float64")}
     facts = _facts(bisector, op, in_names, inputs)
-    atomic_write_text(out_dir / "ENV.md", _env_md(backend))
-    atomic_write_text(out_dir / "REPORT.md", _report_md(facts))
-    atomic_write_text(out_dir / "repro.py", render_repro(backend, facts["summary"], k.name,
-                                                         bisector.tol.floor_multiplier, bisector.tol.rel_l2))
-    for p in out_dir.iterdir():
-        p.chmod(0o644)
+    out_dir = write_bundle_dir(bisector.report_dir / "repro" / bisector.item_id, {
+        "program.pt2": entry / "program.pt2", "inputs.pt": entry / "inputs.pt",
+        "expected.pt": lambda path: torch.save(expected, path),
+        "ENV.md": _env_md(backend), "REPORT.md": _report_md(facts),
+        "repro.py": render_repro(backend, facts["summary"], k.name, bisector.tol.floor_multiplier,
+                                 bisector.tol.rel_l2)},
+        meta={key: facts[key] for key in ("summary", "actual", "node", "op", "module", "kind", "backend", "version",
+                                          "item", "n_ops")})
     has_runner = backend.repro_source() is not None
-    info = {"path": str(out_dir), "bytes": sum(p.stat().st_size for p in out_dir.iterdir()),
-            "files": sorted(p.name for p in out_dir.iterdir()), "n_ops": window.n_ops,
-            "n_inputs": len(in_names), "template": has_runner}
+    info = {**bundle_info(out_dir), "n_ops": window.n_ops, "n_inputs": len(in_names), "template": has_runner}
     if verify and has_runner:
         info.update(run_repro(out_dir, timeout=bisector.limits.compile_s))
     return info

@@ -101,7 +101,8 @@ def judged_whole(port: Port, stage: StageSpec) -> str | None:
     if kind == "executorch" and not stage.buckets:
         return None if stage.etrecord_for(port.root) else (
             f"stage {stage.name!r} ({path.name}): not localized: {NO_ETRECORD.removeprefix('judged whole: ')}; "
-            f"in a port file: the stage's field `etrecord:`, or {path.with_suffix('.etrecord').name} beside it")
+            f"give it as the stage's field `etrecord:` or as {path.with_suffix('.etrecord').name} beside the .pte: "
+            f"judged whole")
     if kind not in ("onnx", "executorch"):
         return (f"stage {stage.name!r} ({path.name}): a {kind} artifact exposes no intermediate values to the "
                 f"harness: judged whole")

@@ -22,7 +22,6 @@ first.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -30,7 +29,9 @@ import numpy as np
 import torch
 
 from ..backends.prebuilt import NATIVE
+from ..metrics.tensor import compare_to_floor, error_metrics
 from ..model import SAMPLES_PER_FRAME
+from ..plumbing.bundle import write_bundle_dir
 from .differences import nonfinite
 from .matching import best_layout, layouts, rel_l2
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
@@ -124,7 +125,6 @@ def float_boundaries(model, groups: dict) -> dict:
 
 def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     """Job function (child process): mark, run, extract and run each stage locally."""
-    import numpy as np
     import onnx
 
     ref = torch.load(reference_path, weights_only=False)
@@ -452,7 +452,6 @@ def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict
     """A stage that draws its own noise, run locally: its amplitude envelope against the
     reference's, with the envelope of another noise draw of the reference as the floor (rel L2,
     the item's rule on it); a NaN or Inf fails and says so."""
-    from ..metrics.tensor import compare_to_floor
     from .differences import difference_kind
 
     value = torch.as_tensor(np.asarray(local)).reshape(-1)
@@ -603,7 +602,6 @@ def effect_text(d: dict) -> str:
 def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, check, stochastic=lambda role: False):
     """Fill `entry["chained"]` and `entry["local"]` (rel L2, its fp32 floor, ok, kind of difference)
     from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it)."""
-    from ..metrics.tensor import compare_to_floor
     from .differences import difference_kind, nonfinite
 
     for role in ("chained", "local"):
@@ -732,23 +730,29 @@ sys.exit(1 if not np.isfinite(rel) or rel > meta["tolerance"] else 0)
 
 
 def write_repro(out: Path, row: dict, ref: dict, path: str, tol) -> str:
-    import shutil
-
-    import numpy as np
-
-    from ..metrics.tensor import error_metrics
-
-    out.mkdir(parents=True, exist_ok=True)
+    """The stage's bundle (plumbing.bundle's layout): its subgraph, inputs, float64 expected
+    output, meta.json, REPORT.md and a repro.py needing numpy and onnxruntime only."""
     src = Path(row["subgraph"])
-    shutil.copyfile(src, out / "stage.onnx")
-    shutil.copyfile(src.parent / "inputs.npz", out / "inputs.npz")
     expected = ref["fp64"][path].double().numpy()
-    np.save(out / "expected.npy", expected)
     floor = error_metrics(ref["fp32"][path], ref["fp64"][path])["rel_l2"]
     tolerance = max(tol.rel_l2, tol.floor_multiplier * floor) if not math.isnan(floor) else tol.rel_l2
-    (out / "meta.json").write_text(json.dumps({"stage": path, "output": row["tensor"], "tolerance": tolerance}))
-    (out / "repro.py").write_text(REPRO)
+    local = row.get("local") or {}
+    meta = {"stage": path, "output": row["tensor"], "tolerance": tolerance, "rel_l2": local.get("rel_l2"),
+            "floor_rel_l2": floor, "kind": local.get("kind")}
+    report = (f"# {path}: an ONNX stage computes its output outside PyTorch's float32 error\n\n"
+              f"The subgraph `stage.onnx` (module `{path}`, output `{row['tensor']}`), fed `inputs.npz`, "
+              f"gives relative L2 error {_num(meta['rel_l2'])} against the float64 expected output "
+              f"`expected.npy`; PyTorch float32's own error is {_num(floor)}, the tolerance {tolerance:.3e}"
+              + (f" ({meta['kind']})" if meta["kind"] else "") + ".\n\n"
+              "`python repro.py` (numpy and onnxruntime only): exit 1 reproduced, 0 fixed, 2 cannot run here.\n")
+    write_bundle_dir(out, {"stage.onnx": src, "inputs.npz": src.parent / "inputs.npz",
+                           "expected.npy": lambda p: np.save(p, expected), "REPORT.md": report, "repro.py": REPRO},
+                     meta=meta)
     return str(out)
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3e}"
 
 
 # what `--bisect` says of an item whose file ran on another runtime (`--artifact-runtime ort-web-*`)

@@ -12,7 +12,6 @@ import importlib.util
 import inspect
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write_text
 from ..repro import _cpu
 from .catalog import BY_NAME, DEFECTS, SEARCHED, Defect
@@ -73,11 +73,8 @@ def kokoro_line(d: Defect) -> str:
 
 
 def build_bundle(d: Defect, out: Path) -> Path:
-    """Write program.pt2, inputs.pt, expected.pt (float64), repro.py and ENV.md (and model.onnx)."""
-    bundle = out / d.name
-    if bundle.exists():
-        shutil.rmtree(bundle)
-    bundle.mkdir(parents=True)
+    """Write program.pt2, inputs.pt, expected.pt (float64), repro.py and ENV.md (and model.onnx)
+    through plumbing.bundle; REPORT.md is written once the bundle has run (check_bundles)."""
     torch.manual_seed(0)
     module, inputs = d.program()
     module.eval()
@@ -85,17 +82,20 @@ def build_bundle(d: Defect, out: Path) -> Path:
         program = torch.export.export(module, tuple(t.clone() for t in inputs))
         expected = copy.deepcopy(module).double()(*[t.double() if t.is_floating_point() else t.clone() for t in inputs])
     expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
-    torch.export.save(program, str(bundle / "program.pt2"))
-    torch.save(list(inputs), bundle / "inputs.pt")
-    torch.save({"float64": [e.detach() for e in expected]}, bundle / "expected.pt")
+    files = {"program.pt2": lambda p: torch.export.save(program, str(p)),
+             "inputs.pt": lambda p: torch.save(list(inputs), p),
+             "expected.pt": lambda p: torch.save({"float64": [e.detach() for e in expected]}, p),
+             "repro.py": repro_source(d), "ENV.md": _env_md(d)}
     if d.onnx:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True, verbose=False).save(
-                str(bundle / "model.onnx"), external_data=False)
-    atomic_write_text(bundle / "repro.py", repro_source(d))
-    atomic_write_text(bundle / "ENV.md", _env_md(d))
-    return bundle
+        files["model.onnx"] = lambda p: _onnx(program, p)
+    return write_bundle_dir(out / d.name, files)
+
+
+def _onnx(program, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=True, verbose=False).save(
+            str(path), external_data=False)
 
 
 def _env_md(d: Defect) -> str:

@@ -312,8 +312,11 @@ def test_bisect_says_why_each_stage_it_cannot_look_into_is_judged_whole(tmp_path
     lines = {name: judged_whole(port, StageSpec(name=name, **spec, **io)) for name, spec in {
         "pte": {"artifact": "v.pte"}, "coreml": {"artifact": "v.mlpackage"}, "step": {"step": "decoder"},
         "bucketed": {"artifact": "v_{frames}.onnx", "buckets": [128]}, "onnx": {"artifact": "v.onnx"}}.items()}
-    assert lines["pte"].startswith("stage 'pte' (v.pte): not localized: a port file names no ETRecord (no field "
-                                   "`etrecord:`)") and lines["pte"].endswith("judged whole"), lines
+    assert lines["pte"].startswith("stage 'pte' (v.pte): not localized: no ETRecord (export with") and \
+        "the stage's field `etrecord:` or as v.etrecord beside the .pte" in lines["pte"], lines
+    (tmp_path / "v.etrecord").write_bytes(b"")  # beside the .pte, or named by the field: looked into
+    assert judged_whole(port, StageSpec(name="pte", artifact="v.pte", **io)) is None
+    assert judged_whole(port, StageSpec(name="pte", artifact="v.pte", etrecord="v.etrecord", **io)) is None
     assert "coreml artifact exposes no intermediate values" in lines["coreml"], lines
     assert "runs the harness step 'decoder'" in lines["step"] and "bucketed" in lines["bucketed"], lines
     assert all(line.endswith("judged whole") or "judged whole here" in line for n, line in lines.items() if n != "onnx")
