@@ -30,9 +30,7 @@ import numpy as np
 import torch
 
 from ..backends.prebuilt import NATIVE
-from ..model import SAMPLES_PER_FRAME
-from .defects import (defects_reason, effect_metrics, effect_text, envelope, score_defects,  # noqa: F401
-                      without_own_error)
+from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error
 from .differences import nonfinite
 from .matching import best_layout, layouts, rel_l2
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
