@@ -118,6 +118,9 @@ def port_lines(rec: Record) -> list[str]:
             lines.append("defects (local error leaves its floor): " + ", ".join(
                 f"{d} (first)" if i == 0 and len(defects) > 1 else d for i, d in enumerate(defects))
                 + (f"; localized inside {'it' if len(rec.stages) == 1 else 'them'} to {inside}" if inside else ""))
+            ranked = sorted((r for r in rec.stages if r.get("defect")), key=lambda r: r["defect"]["rank"])
+            if ranked:  # two defects or more in a chain (harness.port.chain.rank_chain_defects)
+                lines.append("ranked by audio effect: " + ", ".join(r["stage"] for r in ranked))
     bands = {k: v for k, v in rec.bands.items() if "band" in v}
     if bands:
         rows = [[k, _fmt(v["value"]), f"[{_fmt(v['band'][0])}, {_fmt(v['band'][1])}]", v["direction"],

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import tensors
+from .defects import defects_reason, score_defects, without_own_error
 from .tensors import to_artifact
 from .differences import MAX_SHIFT, difference_kind, nonfinite  # noqa: F401 (the chain's judges use them)
 from .durations import FoundDurations, found_durations, run_with_durations
@@ -179,6 +180,8 @@ class _Chain:
         self.local_out: dict = {}
         self.compiled_only: list[tuple[str, str]] = []  # stages compiled that this target cannot run
         self.user: dict = {}
+        self.ran: dict[str, dict] = {}  # per stage: what it was fed and gave, to run the chain on without its defect
+        self.ranked: list[dict] = []  # with two defects or more: each one's effect on the audio (rank_chain_defects)
 
     def run(self, end) -> None:
         self._capture_cuts()
@@ -202,6 +205,8 @@ class _Chain:
             self.rec.real_time = real_time(sum(self.rec.timings.get(f"{tag}run_s", 0.0) for tag in self.app_runs),
                                            self.chained["audio"].shape[-1] / SAMPLE_RATE)
         end(self.session, self.port, self.item, self.rec, self.chained, self.traces, self.case, local=self.local_out)
+        if len({d[0] for d in self.defects}) > 1 and "audio" in self.chained and self.rec.verdict is Verdict.FAIL:
+            self.ranked = rank_chain_defects(self)
         self._reason()
 
     def _capture_cuts(self) -> None:
@@ -214,10 +219,19 @@ class _Chain:
             except ValueError as e:
                 raise PortError(str(e)) from None
 
-    def _run_stage(self, stage, role: str, valid, meta: dict):
+    def _run_stage(self, stage, role: str, valid, meta: dict, rec=None):
         """run_stage on the stage (or on its copy that finds its durations)."""
-        return lambda s, values: run_stage(self.session, self.port, s or stage, values, self.rec, self.item, role,
-                                           self.traces, valid, meta, self.steps)
+        return lambda s, values: run_stage(self.session, self.port, s or stage, values, rec or self.rec, self.item,
+                                           role, self.traces, valid, meta, self.steps)
+
+    def chained_run(self, stage, values: dict, own: dict, found, meta: dict, role: str = "chained", rec=None):
+        """The stage fed the chain's `values` through the host glue (its own, the user's, the
+        harness's), its durations found and forced as in any run: (outputs or None, durations)."""
+        traces = self.traces
+        chain_in = {ref.tensor: own[ref.tensor](glue_view(values, traces, self.user)) if ref.tensor in own
+                    else glue(ref.tensor, values, traces, self.user) for ref in stage.inputs.values()}
+        valid = valid_lengths(traces, values, self.user) if stage.buckets else None
+        return run_with_durations(self._run_stage(stage, role, valid, meta, rec), found, chain_in, traces)
 
     def _stage(self, i: int, stage) -> bool:
         """One stage: its glue's rows, its local run, its chained run, its row. False: the chain
@@ -252,20 +266,18 @@ class _Chain:
             chained_out = self.local_out
             self.app_runs.append(stage_tag(self.port, stage, "local"))
         else:
-            chain_in = {ref.tensor: own[ref.tensor](glue_view(self.chained, traces, self.user)) if ref.tensor in own
-                        else glue(ref.tensor, self.chained, traces, self.user) for ref in stage.inputs.values()}
-            valid = valid_lengths(traces, self.chained, self.user) if stage.buckets else None
-            chained_out, chained_dur = run_with_durations(self._run_stage(stage, "chained", valid, meta), found,
-                                                          chain_in, traces)
+            chained_out, chained_dur = self.chained_run(stage, self.chained, own, found, meta)
             if chained_dur:
                 durations["chained"] = chained_dur
             if chained_out is None:
                 return False
             self.app_runs.append(stage_tag(self.port, stage, "chained"))
+        self.ran[stage.name] = {"index": i, "before": dict(self.chained), "own": own, "found": found,
+                                "local": self.local_out, "chained": chained_out, "reference": {}}
         self.chained.update(chained_out)
         self.rec.stages.append(judge_stage(self.session, stage, self.item, traces, tol, local_in, self.local_out,
                                            chained_out, {"bucket": meta, "durations": durations}, self.steps,
-                                           self.references, self.defects))
+                                           self.references, self.defects, self.ran[stage.name]["reference"]))
         return True
 
     def _glue_rows(self, stage, tol) -> tuple[dict, dict]:
@@ -293,6 +305,8 @@ class _Chain:
         rec.reason += forced_note(rec)
         if len(self.port.stages) == 1 or rec.verdict is Verdict.PASS:
             pass  # one stage: the verdict says it all (`--bisect` looks inside an ONNX); a pass names nothing
+        elif self.ranked:  # two defects or more: ranked by what each, taken out alone, does to the audio
+            rec.reason += "; " + defects_reason(self.ranked)
         elif self.defects:  # every stage the table reads DEFECT, in chain order
             rec.reason += "; first stage whose local error leaves its floor: " + "; also: ".join(
                 f"{stage!r} ({tensor}: {m.get('why', '')}; {m.get('kind', '')})" for stage, tensor, m in self.defects)
@@ -301,12 +315,85 @@ class _Chain:
         rec.reason = rec.reason.lstrip("; ")
 
 
+def rank_chain_defects(chain: _Chain) -> list[dict]:
+    """Each stage whose local error leaves its floor, ranked by what it does to the audio
+    (defects.score_defects, as inside a whole-model ONNX): its outputs without their own error
+    (defects.without_own_error: the first stage, fed the reference, gives the reference's values)
+    and the later stages run chained on from there, with the same host glue, case noise and forced
+    durations as the chained run; the audio with it is the chained run's. A defect that cannot be
+    taken out (a host glue's, an output of another shape than the reference's, a run that fails)
+    is listed unranked with why. Each stage's row gets its `defect` (rank, effect); in rank order."""
+    found, pairs = [], {}
+    stages = {s.name: s for s in chain.port.stages}
+    for name, tensor, m in chain.defects:
+        if name in {f["stage"] for f in found}:
+            continue
+        d = {"stage": name, "kind": m.get("kind", ""), "local_rel_l2": m.get("rel_l2"),
+             "floor_rel_l2": m.get("floor_rel_l2"), "nonfinite": m.get("why", "").startswith(("NaN", "Inf"))}
+        found.append(d)
+        ran = chain.ran.get(name)
+        if ran is None:
+            d["unranked"] = "a host glue's value is computed where a stage reads it: not fed in its place"
+            continue
+        values = fixed_outputs(chain, name, ran)
+        if isinstance(values, str):
+            d["unranked"] = values
+            continue
+        values = {**ran["before"], **ran["chained"], **values}
+        scratch = replace(chain.rec, reason="", timings={}, cache={}, audit={}, peak_rss_mb={})
+        for later in chain.port.stages[ran["index"] + 1:]:
+            own = chain.ran[later.name]
+            out, _ = chain.chained_run(stages[later.name], values, own["own"], own["found"], {},
+                                       f"without-{name}", scratch)
+            if out is None:
+                d["unranked"] = f"stage {later.name!r} did not run without it: {scratch.reason}"
+                break
+            values.update(out)
+        else:
+            pairs[name] = (chain.chained["audio"].reshape(-1).double().numpy(),
+                           values["audio"].reshape(-1).double().numpy())
+    want = end_reference(chain.session, chain.port, chain.item, chain.traces)
+    ranked = score_defects(found, pairs, want)
+    for row in chain.rec.stages:
+        d = next((d for d in ranked if d["stage"] == row["stage"]), None)
+        if d is not None:
+            row["defect"] = {k: d[k] for k in ("rank", "moves_audio_snr_db", "audio_effect", "unranked") if k in d}
+    return ranked
+
+
+def fixed_outputs(chain: _Chain, name: str, ran: dict) -> dict | str:
+    """A defective stage's outputs with their own error taken out (defects.without_own_error,
+    durations: the reference's), or why they cannot be."""
+    out = {}
+    for tensor, value in ran["chained"].items():
+        local = ran["local"][tensor]
+        r32 = ran["reference"].get(tensor)
+        r32 = boundary(tensor, chain.traces) if r32 is None else r32
+        if not value.is_floating_point():
+            out[tensor] = r32.to(value.dtype) if value.shape == r32.shape else value
+        elif value.shape == local.shape == r32.shape:
+            out[tensor] = torch.from_numpy(without_own_error(value, local, r32)).to(value.dtype)
+        else:
+            return (f"its output {tensor!r} has shape {list(value.shape)}, locally {list(local.shape)}, the "
+                    f"reference {list(r32.shape)}: its error cannot be taken out")
+    return out
+
+
+def end_reference(session, port: Port, item, traces):
+    """The audio the chain's end is judged against: run 0 of the noise band, or the zero-noise
+    reference when the last stage draws no noise."""
+    last = port.stages[-1]
+    if last.noise == "none" and noise_inside(last):
+        return zero_noise_reference(session, item.case)["float32"][0].double().numpy()
+    return traces.chain["audio"][0].double().numpy()
+
+
 def judge_stage(session, stage: StageSpec, item, traces, tol, local_in: dict, local_out: dict, chained_out: dict,
-                runs: dict, steps, references: dict | None, defects: list) -> dict:
+                runs: dict, steps, references: dict | None, defects: list, judged_against: dict | None = None) -> dict:
     """A stage's row: each output's local and chained values judged (against the reference the
     stage's bucket, precision or noise asks for: stage_references), what its runs were (`runs`:
     the bucket each took, the durations found inside it); a local error leaving its floor is
-    added to `defects` (once per stage)."""
+    added to `defects` (once per stage); `judged_against` gets each output's float32 reference."""
     meta, durations = runs["bucket"], runs["durations"]
     row = {"stage": stage.name, "artifact": stage.artifact, **({"step": stage.step} if stage.step else {}),
            "precision": stage.precision, "outputs": {}}
@@ -327,6 +414,8 @@ def judge_stage(session, stage: StageSpec, item, traces, tol, local_in: dict, lo
             {k: v for k, v in ref.items() if k not in ("float32", "float64", "exact", "bucket")} | \
             dict(ref.get("exact", {}))
         local = judge_tensor(tensor, local_out[tensor], traces, tol, stage, ref or None)
+        if judged_against is not None and "float32" in ref:
+            judged_against[tensor] = ref["float32"]
         chain = local if chained_out is local_out else judge_tensor(tensor, chained_out[tensor], traces, tol,
                                                                     stage, chain_ref or None)
         row["outputs"][tensor] = {"local": local, "chained": chain}
@@ -788,9 +877,7 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
                 failures.append(f"{row['stage']}:{tensor} (local): {bad}")
     if "audio" in values:
         audio = values["audio"]
-        ref = traces.chain["audio"][0].double().numpy()  # run 0 of the noise band
-        if last.noise == "none" and noise_inside(last):  # it draws no noise: the zero-noise reference
-            ref = zero_noise_reference(session, item.case)["float32"][0].double().numpy()
+        ref = end_reference(session, port, item, traces)
         cand = audio.reshape(-1).double().numpy()
         rec.audio_metrics["audio"] = {**audio_metrics(ref, cand), "duration_s": len(cand) / SAMPLE_RATE}
         am = rec.audio_metrics["audio"]

@@ -31,7 +31,7 @@ from ..reference import CASE_INPUTS
 from ..steps import FRAME_UNITS
 from .chain import from_artifact, glue, to_artifact
 from .matching import best_layout, by_shape, is_int8, rel_l2
-from .onnx_stages import envelope
+from .defects import envelope
 from ..plumbing.files import atomic_write
 
 # Relative L2 above which an output is no Kokoro tensor: left `FIXME` with its nearest. A clean

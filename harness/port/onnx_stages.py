@@ -30,8 +30,8 @@ import torch
 
 from ..backends.prebuilt import NATIVE
 from ..metrics.tensor import compare_to_floor, error_metrics
-from ..model import SAMPLES_PER_FRAME
 from ..plumbing.bundle import write_bundle_dir
+from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error
 from .differences import nonfinite
 from .matching import best_layout, layouts, rel_l2
 from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
@@ -440,14 +440,6 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     return rec.bisect
 
 
-def envelope(x, frame: int = SAMPLES_PER_FRAME) -> torch.Tensor:
-    """Frame RMS (one alignment frame, 600 samples) of a signal: what the source's phase and noise
-    do not hide."""
-    x = torch.as_tensor(np.asarray(x), dtype=torch.float64).reshape(-1)
-    n = x.numel() // frame * frame or x.numel()
-    return x[:n].reshape(-1, min(frame, n)).pow(2).mean(-1).sqrt()
-
-
 def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict:
     """A stage that draws its own noise, run locally: its amplitude envelope against the
     reference's, with the envelope of another noise draw of the reference as the floor (rel L2,
@@ -475,73 +467,28 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
     without it (lower: a larger effect); ranked by it, a stage with NaN or Inf first. The audio
     metrics of both against the reference's (no PESQ) are recorded beside it."""
     audio_tensor = (rows.get("audio") or {}).get("tensor")
-    want = ref["fp32"]["audio"].double().reshape(-1).numpy()
     pairs, given = {}, {}
     for e in defects:
         row = rows[e["stage"]]
         raw = np.asarray(row["chained_raw"])
-        fixed = _in_layout(without_own_error(row, e, ref["fp32"][e["stage"]]), raw)
+        fixed = _in_layout(without_own_error(row["chained"], row["local"], ref["fp32"][e["stage"]],
+                                             e["local"].get("judged_by")), raw)
         if row["tensor"] == audio_tensor:  # the stage's output is the audio itself
             pairs[e["stage"]] = (raw.reshape(-1), fixed.reshape(-1))
         else:
             given[e["stage"]] = (row["tensor"], raw, fixed)
     if given:
         pairs.update(run_effects(session, given, run_dir))
-    out = []
-    for e in defects:
-        with_it, without = pairs.get(e["stage"], (None, None))
-        moved, effect = math.nan, {}
-        if with_it is not None and np.isfinite(without).all():
-            moved = effect_metrics(np.asarray(without, np.float64), with_it)["snr_db"]
-            if with_it.size == without.size == want.size:
-                before, after = effect_metrics(want, with_it), effect_metrics(want, without)
-                effect = {m: {"with": before[m], "without": after[m]} for m in before}
-        out.append({"stage": e["stage"], "kind": e["local"]["kind"], "local_rel_l2": e["local"]["rel_l2"],
-                    "floor_rel_l2": e["local"]["floor_rel_l2"], "moves_audio_snr_db": moved,
-                    "audio_effect": effect, "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))})
-    out.sort(key=lambda d: (not d["nonfinite"], d["moves_audio_snr_db"] if math.isfinite(d["moves_audio_snr_db"])
-                            else math.inf))
-    for i, d in enumerate(out, 1):
-        d["rank"] = i
-    return out
-
-
-def without_own_error(row: dict, entry: dict, r32: torch.Tensor) -> np.ndarray:
-    """The stage's chained output with its own error taken out, in the reference's layout, as its
-    local error (fed the reference's inputs) says it is made: a constant gain (a sign flip
-    included) is divided out; a stage judged by its envelope (it draws its own noise) is rescaled
-    frame by frame by the reference's envelope over its local one; any other error is subtracted
-    (`chained - (local - reference)`, to first order the stage without its defect on what its own
-    upstream gave it). Never the reference's value itself: that would also take out every defect
-    before the stage."""
-    chained = torch.as_tensor(row["chained"], dtype=torch.float64).reshape(-1)
-    local = torch.as_tensor(row["local"], dtype=torch.float64).reshape(-1)
-    want = r32.double().reshape(-1)
-    gain = float(local @ want) / max(float(want @ want), 1e-300)
-    if entry["local"].get("judged_by") == "envelope":
-        scale = envelope(want) / envelope(local).clamp_min(1e-30)
-        frame = max(1, math.ceil(chained.numel() / scale.numel()))
-        fixed = chained * scale.repeat_interleave(frame)[:chained.numel()]
-    elif gain != 0 and float((local - gain * want).pow(2).sum()) < 0.05 * float((local - want).pow(2).sum()):
-        fixed = chained / gain  # the same rule as differences.difference_kind's "constant gain"
-    else:
-        fixed = chained - (local - want)
-    return fixed.reshape(r32.shape).numpy()
+    found = [{"stage": e["stage"], "kind": e["local"]["kind"], "local_rel_l2": e["local"]["rel_l2"],
+              "floor_rel_l2": e["local"]["floor_rel_l2"],
+              "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))} for e in defects]
+    return score_defects(found, pairs, ref["fp32"]["audio"].double().reshape(-1).numpy())
 
 
 def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
     """`value` (the reference's layout) in the artifact's layout: the axis order nearest its own."""
     own = torch.from_numpy(raw.astype(np.float32))
     return min(layouts(value, raw.shape), key=lambda a: rel_l2(a, own)).astype(raw.dtype)
-
-
-def effect_metrics(want: np.ndarray, audio) -> dict:
-    """The audio metrics of the noise band that need no PESQ run, against the reference's audio."""
-    from ..metrics.audio import logmel_mad_db, mrstft, rms_ratio_db, snr_db
-
-    a = np.asarray(audio, dtype=np.float64).reshape(-1)
-    return {"snr_db": snr_db(want, a), "logmel_mad_db": logmel_mad_db(want, a), "mrstft": mrstft(want, a),
-            "rms_ratio_db": rms_ratio_db(want, a)}
 
 
 def run_effects(session, given: dict, run_dir: Path) -> dict:
@@ -577,26 +524,6 @@ def effects_job(out_dir: str) -> dict:
         (out / f).unlink(missing_ok=True)
     torch.save(pairs, out / "effects.pt")
     return {"errors": errors}
-
-
-def defects_reason(defects: list[dict]) -> str:
-    """'2 defects: a (kind; SNR x -> y dB without it); b (...)', ranked by audio effect."""
-    return f"{len(defects)} defect{'s' if len(defects) > 1 else ''}: " + "; ".join(
-        f"{d['stage']} ({d['kind']}; {effect_text(d)})" for d in defects)
-
-
-def effect_text(d: dict) -> str:
-    """'moves the audio by SNR 6.02 dB (log-mel distance 3.5 -> 0.1 dB without it)'."""
-    from ..metrics import fmt
-
-    moved = d.get("moves_audio_snr_db", math.nan)
-    if not math.isfinite(moved):
-        return "audio effect not measured"
-    text = f"moves the audio by SNR {fmt(moved)} dB"
-    e = d["audio_effect"].get("logmel_mad_db")
-    if e and math.isfinite(e["with"]) and math.isfinite(e["without"]):
-        text += f" (log-mel distance to the reference {fmt(e['with'])} -> {fmt(e['without'])} dB without it)"
-    return text
 
 
 def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, check, stochastic=lambda role: False):
