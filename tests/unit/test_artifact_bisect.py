@@ -162,6 +162,9 @@ def test_a_defective_step_onnx_is_localized_and_a_clean_one_passes(tmp_path):
                            env={"PATH": "/usr/bin:/bin"})
     assert alone.returncode == 1, alone.stdout + alone.stderr
     assert "stage predictor.F0.1: rel_l2 2.000e+00" in alone.stdout
+    meta = json.loads((repro / "meta.json").read_text())  # the one bundle layout: meta.json and REPORT.md too
+    assert meta["stage"] == "predictor.F0.1" and meta["rel_l2"] == pytest.approx(2.0, rel=1e-3)
+    assert "predictor.F0.1" in (repro / "REPORT.md").read_text()
 
 
 @pytest.mark.slow
