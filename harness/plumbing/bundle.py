@@ -9,34 +9,48 @@ crashes half-way never leaves a repro.py beside the inputs of another run.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Iterator, Union
 
 # a file's content: text, bytes, a file to copy, or a function that writes the file at the path it is given
 Content = Union[str, bytes, Path, Callable[[Path], None]]
 
 
-def write_bundle_dir(out: Path, files: dict[str, Content], meta: dict | None = None) -> Path:
-    """Write `files` (and `meta.json` from `meta`) to the directory `out`, replacing what was there."""
+@contextlib.contextmanager
+def partial_bundle(out: Path) -> Iterator[Path]:
+    """A directory to write a bundle into, renamed to `out` (replacing it) when the block ends
+    without an exception, removed when it raises: the last whole bundle stays."""
     out = Path(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        for name, content in files.items():
-            _write(tmp / name, content)
-        if meta is not None:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        yield tmp
         for p in tmp.iterdir():
-            p.chmod(0o644)
+            if p.is_file():
+                p.chmod(0o644)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+
+def write_bundle_dir(out: Path, files: dict[str, Content], meta: dict | None = None) -> Path:
+    """Write `files` (and `meta.json` from `meta`) to the directory `out`, replacing what was there."""
+    with partial_bundle(out) as tmp:
+        for name, content in files.items():
+            _write(tmp / name, content)
+        if meta is not None:
+            write_meta(tmp, meta)
+    return Path(out)
+
+
+def write_meta(directory: Path, meta: dict) -> None:
+    (Path(directory) / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
 
 
 def _write(path: Path, content: Content) -> None:
