@@ -548,6 +548,8 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
         entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": (ok or noise) and not bad,
                        "why": bad or (why if not noise else "phase/noise dependent: the audio band judges it"),
                        "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1))}
+        if noise and not ok:  # outside the floor, but not judged here: its table word says so, not "ok"
+            entry[role]["by_band"] = True
     return entry
 
 
@@ -607,17 +609,21 @@ def stage_lines(b: dict) -> list[str]:
             lines.append(f"  {'durations':<28} {e['tokens_differ']} tokens differ (max {e['max_frames_diff']} frames)")
         else:
             c, loc = e.get("chained") or {}, e.get("local") or {}
-            verdict = lambda m: "-" if not m else ("ok" if m["ok"] else "OVER")  # noqa: E731
+            verdict = lambda m: "-" if not m else ("OVER" if not m["ok"] else "band" if m.get("by_band") else "ok")  # noqa: E731,E501
             lines.append(f"  {e['stage']:<28} floor {fmt(loc.get('floor_rel_l2') or c.get('floor_rel_l2')):>8}  "
                          f"local {fmt(loc.get('rel_l2')):>8} {verdict(loc):<4} chained {fmt(c.get('rel_l2')):>8} "
                          f"{verdict(c):<4} {loc.get('kind') or c.get('kind', '')}"
-                         + (f"; local not run: {e['local_error']}" if e.get("local_error") and not loc else "")
+                         + (f"; local not run: {e['local_error']}" if e.get("local_error") not in (None, "not run")
+                            and not loc else "")
                          + (f"; fed {', '.join(sorted(set(e['fed'].values())))}" if e.get("fed") else "")
                          + (f"; chained: {e['chained_error']}" if e.get("chained_error") else "")
                          + (f"; {e['note']}" if e.get("note") else ""))
     if b.get("forced_audio"):
         lines.append("  audio with the reference durations forced, against the noise band: " + "; ".join(
             v["why"] for v in b["forced_audio"].values()))
+    if any((e.get(r) or {}).get("by_band") for e in b["stages"] for r in ("chained", "local")):
+        lines.append("  band: outside the floor sample by sample, but phase or noise dependent (after the harmonic "
+                     "source's phase): not judged here, the audio's noise band judges it")
     lines.append(f"first stage whose local error leaves its tolerance: {b.get('first_stage', 'none')}")
     if b.get("defects"):
         n = len(b["defects"])

@@ -262,3 +262,29 @@ def test_the_report_names_every_defect_in_rank_order():
                          "first_stage": "decoder.generator.m_source"})
     at = lines.index("2 defects (ranked by their effect on the audio, each taken out alone):")
     assert lines[at + 1].startswith("  1. decoder.generator.istft: constant gain") and "2. decoder" in lines[at + 2]
+
+
+def test_a_phase_dependent_row_outside_its_floor_reads_band_not_ok():
+    """After the harmonic source, the chained values follow the source's phase: a row outside its
+    floor there is not judged (the audio band is), and its table word says so instead of "ok"; a
+    NaN there still fails."""
+    import torch
+
+    from harness.port.onnx_stages import judge_row, stage_lines
+    from harness.verdict import Tolerance, comparator
+
+    ref = torch.linspace(-1, 1, 64).double()
+    check = comparator(Tolerance(rel_l2=1e-3, floor_multiplier=4.0))
+    entry = judge_row({"stage": "decoder.generator.conv_post", "mapped": True},
+                      {"chained": (-ref).float().numpy(), "local": ref.float().numpy()}, ref.float(), ref, check,
+                      stochastic=lambda role: role == "chained")
+    assert entry["chained"]["ok"] and entry["chained"]["by_band"] and "by_band" not in entry["local"]
+    b = {"artifact": "m.onnx", "noise": "none drawn", "stages": [entry]}
+    row, legend = stage_lines(b)[1], "\n".join(stage_lines(b))
+    assert " band " in row and row.split("chained")[1].split()[1] == "band", row
+    assert "band: outside the floor sample by sample" in legend
+    nan = ref.clone()
+    nan[3] = float("nan")
+    entry = judge_row({"stage": "x", "mapped": True}, {"chained": nan.float().numpy()}, ref.float(), ref, check,
+                      stochastic=lambda role: True)
+    assert not entry["chained"]["ok"] and "by_band" not in entry["chained"]
