@@ -25,7 +25,7 @@ from ..port.tensors import reference as reference_tensor
 from ..record import Record, item_id, versions
 from ..verdict import Verdict, band_comparator, comparator
 from .adapter import Adapter, Mapped
-from .captures import module_io, reference_models
+from .captures import cast32, module_io, reference_models
 from ..metrics.audio import audio_metrics
 from ..port.noise import DIRECTIONS, noise_band, session_k
 
@@ -102,30 +102,37 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
 
 
 def judge_modules(item: RewriteItem, model, kmodel, traces, tol, rec) -> list[tuple[str, dict]]:
-    """One row per mapped module (`rec.stages`), judged locally; the modules whose error leaves
-    the floor, in the order their forward passes end."""
+    """One row per mapped module (`rec.stages`), judged locally as soon as its reference run
+    captured it; the modules whose error leaves the floor, in the order their forward passes end."""
     conventions = {m.path: m.convention for m in item.mapped}
     km32, km64 = reference_models(kmodel)
     defects = []
-    for io in module_io(km32, km64, traces, list(conventions)):
-        args = tuple(v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in io.args)
-        kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                  for k, v in io.kwargs.items()}
-        start = time.perf_counter()
-        try:
-            with item.adapter.noise({k: v.float() for k, v in io.noise.items()}):
-                value = item.adapter.run(model, io.path, conventions[io.path], args, kwargs)
-            seconds = time.perf_counter() - start
-            m = judge_local(value, io.out32, io.out64, tol)
-        except Exception as e:  # noqa: BLE001 - the rewrite raised on this module: the row says so
-            seconds = time.perf_counter() - start
-            m = {"ok": False, "why": f"the rewrite raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                 "kind": "run error"}
+
+    def judge(io) -> None:
+        m, seconds = judge_one(item, model, conventions[io.path], io, tol)
         rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32", "run_s": seconds,
                            "outputs": {"out": {"local": m, "chained": {}}}, "local_ok": m["ok"], "chained_ok": True})
         if not m["ok"]:
             defects.append((io.path, m))
+
+    rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
     return defects
+
+
+def judge_one(item: RewriteItem, model, convention: str, io, tol) -> tuple[dict, float]:
+    """The rewrite's counterpart of one module on its captured inputs cast to float32, judged
+    against the float64 output and the float32 floor; the seconds it ran."""
+    args = tuple(cast32(v) for v in io.args)
+    kwargs = {k: cast32(v) for k, v in io.kwargs.items()}
+    start = time.perf_counter()
+    try:
+        with item.adapter.noise({k: v.float() for k, v in io.noise.items()}):
+            value = item.adapter.run(model, io.path, convention, args, kwargs)
+        seconds = time.perf_counter() - start
+        return judge_local(value, io.out32, io.out64, tol), seconds
+    except Exception as e:  # noqa: BLE001 - the rewrite raised on this module: the row says so
+        return ({"ok": False, "why": f"the rewrite raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                 "kind": "run error"}, time.perf_counter() - start)
 
 
 def judge_local(value: torch.Tensor, out32: torch.Tensor, out64: torch.Tensor, tol) -> dict:

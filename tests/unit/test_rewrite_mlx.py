@@ -54,6 +54,28 @@ def item_for(session, keep=lambda path: path != "decoder", adapter=None) -> Rewr
     return RewriteItem("tiny", "mlx-audio", adapter, mapped)
 
 
+def test_captures_hold_the_running_modules_inputs_and_one_output_never_a_whole_step(tiny):
+    """Each module is handed on from inside the reference run that captured it and dropped: the
+    peak bytes held are one module's inputs and outputs plus the inputs of its mapped ancestors
+    still running, a fraction of the decoder step's captures held together."""
+    from harness.rewrite.captures import module_io, nbytes, reference_models
+
+    paths = [m.path for m in item_for(tiny, keep=lambda p: p.startswith("decoder")).mapped]
+    sizes, order = {}, []
+
+    def consume(io):
+        sizes[io.path] = (nbytes((io.args, io.kwargs)), nbytes((io.out64, io.out32)))
+        order.append(io.path)
+
+    peak = module_io(*reference_models(tiny.model.kmodel), tiny.traces("tiny"), paths, consume)
+    assert sorted(order) == sorted(paths) and len(paths) > 50
+    assert order.index(f"{GENERATOR}.m_source") < order.index(GENERATOR) < order.index("decoder")  # children first
+    whole = sum(i + o for i, o in sizes.values())  # the step's captures held together
+    ancestors = {p: sum(sizes[q][0] for q in sizes if p.startswith(q + ".")) for p in sizes}
+    assert peak <= max(i + o + ancestors[p] for p, (i, o) in sizes.items())
+    assert peak < whole / 4, (peak, whole)
+
+
 @needs_mlx
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
