@@ -18,6 +18,7 @@ import contextlib
 import difflib
 import fnmatch
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -50,6 +51,10 @@ class Adapter:
       holding the vocoder's noise source can be judged sample by sample.
     - `synthesize(model, phonemes, ref_s, speed)`: the rewrite's own tokens -> audio (its own
       noise), returning (audio [samples], durations [tokens]) or None when it has no such entry.
+    - `repro(model, path, convention, out_dir)`: optional; write into `out_dir` what a standalone
+      run of module `path` needs (its weights, a runner file defining `run_saved(here, meta, args,
+      kwargs, noise)` -> numpy output in Kokoro's layout) and return {"runner": module name,
+      "packages": [...], "built": how the module is built}; None: the bundle's repro.py exits 2.
     """
 
     name: str = "rewrite"
@@ -69,6 +74,9 @@ class Adapter:
         yield
 
     def synthesize(self, model: Any, phonemes: str, ref_s: torch.Tensor, speed: float):
+        return None
+
+    def repro(self, model: Any, path: str, convention: str, out_dir: Path) -> dict | None:
         return None
 
 

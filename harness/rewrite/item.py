@@ -6,7 +6,8 @@ the rewrite's layout by the adapter) and its output is judged against the float6
 torch float32's own error on the same inputs as the floor (harness.rewrite.captures). The rows
 are the port table's (`rec.stages`, printed by `report.port_lines`); the reason names the first
 module, in the order their forward passes end (innermost first), whose local error leaves its
-floor, with the kind of difference (harness.port.differences). Then the rewrite's own pipeline
+floor, with the kind of difference (harness.port.differences), and writes that module's repro
+bundle (harness.rewrite.repro). Then the rewrite's own pipeline
 (its own noise, its own durations) is judged like a whole-model artifact: durations exactly, the
 audio against the spread the reference's audio has over noise seeds.
 """
@@ -26,6 +27,7 @@ from ..record import Record, item_id, versions
 from ..verdict import Verdict, band_comparator, comparator
 from .adapter import Adapter, Mapped
 from .captures import cast32, module_io, reference_models
+from .repro import write_rewrite_repro
 from ..metrics.audio import audio_metrics
 from ..port.noise import DIRECTIONS, noise_band, session_k
 
@@ -88,7 +90,7 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
                             "load_notes": list(getattr(model, "load_notes", []))}
     tol = session.profile.for_("rewrite", item.backend, item.mode)
     traces = session.traces(item.case)
-    defects = judge_modules(item, model, session.model.kmodel, traces, tol, rec)
+    defects = judge_modules(session, item, model, traces, tol, rec)
     failures = [f"{path}: {m['why']}; {m['kind']}" for path, m in defects]
     failures += judge_pipeline(session, item, model, traces, tol, rec)
     if failures:
@@ -101,22 +103,35 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
     return session.finish(rec)
 
 
-def judge_modules(item: RewriteItem, model, kmodel, traces, tol, rec) -> list[tuple[str, dict]]:
+def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[tuple[str, dict]]:
     """One row per mapped module (`rec.stages`), judged locally as soon as its reference run
     captured it; the modules whose error leaves the floor, in the order their forward passes end."""
     conventions = {m.path: m.convention for m in item.mapped}
-    km32, km64 = reference_models(kmodel)
+    km32, km64 = reference_models(session.model.kmodel)
     defects = []
 
     def judge(io) -> None:
         m, seconds = judge_one(item, model, conventions[io.path], io, tol)
         rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32", "run_s": seconds,
                            "outputs": {"out": {"local": m, "chained": {}}}, "local_ok": m["ok"], "chained_ok": True})
+        if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
+            rec.bisect = {"kind": "rewrite", "module": io.path, "repro": first_repro(session, item, model, conventions[io.path], io, m, tol)}
         if not m["ok"]:
             defects.append((io.path, m))
 
     rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
     return defects
+
+
+def first_repro(session, item: RewriteItem, model, convention: str, io, m: dict, tol) -> str:
+    """The repro bundle of the first failing module, <report-dir>/repro/<item>/ (its path), or why
+    it could not be written."""
+    out = session.report_dir / "repro" / item.id
+    try:
+        write_rewrite_repro(out, item.adapter, model, convention, io, m, tol)
+    except Exception as e:  # noqa: BLE001 - the bundle is a by-product: its failure is said, the row stands
+        return f"not written: {type(e).__name__}: {e}"
+    return str(out)
 
 
 def judge_one(item: RewriteItem, model, convention: str, io, tol) -> tuple[dict, float]:

@@ -5,11 +5,16 @@ the field and the nearest module paths."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from harness.rewrite import RewriteError, RewriteItem, load_adapter, resolve_modules
+from harness.repro import run_repro
 from harness.rewrite.item import run_rewrite_item
 
 from .conftest import tiny_session_at
@@ -76,6 +81,40 @@ def test_captures_hold_the_running_modules_inputs_and_one_output_never_a_whole_s
     assert peak < whole / 4, (peak, whole)
 
 
+def test_the_first_failing_module_is_written_as_a_bundle_whose_repro_exits_2_without_a_runner(tiny):
+    """A rewrite whose adapter has no `repro` (here torch itself, with a 10% gain on one
+    convolution) still gets the bundle's data; its repro.py says it cannot run here (2)."""
+    import numpy as np
+    import torch
+
+    from harness.report import item_table
+    from harness.rewrite.adapter import Adapter, Mapped
+
+    class Gain(Adapter):
+        name = "gain"
+        modules = {"decoder.F0_conv": "call"}
+
+        def load(self, kmodel):
+            return kmodel
+
+        def run(self, model, path, convention, args, kwargs):
+            with torch.no_grad():
+                return model.get_submodule(path)(*args, **kwargs) * 1.1
+
+    rec = run_rewrite_item(tiny, RewriteItem("tiny", "gain.py", Gain(), (Mapped("decoder.F0_conv", "call"),)))
+    assert rec.verdict.value == "fail" and rec.bisect["module"] == "decoder.F0_conv"
+    bundle = Path(rec.bisect["repro"])
+    assert {p.name for p in bundle.iterdir()} == {"inputs.npz", "noise.npz", "expected.npy", "meta.json", "repro.py",
+                                                  "REPORT.md"}
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["module"] == "decoder.F0_conv" and meta["kind"].startswith("constant gain x1.1")
+    assert meta["tolerance"] >= 1e-5 and meta["rel_l2"] > meta["tolerance"]
+    assert np.load(bundle / "inputs.npz")["arg0"].dtype == np.float32 and np.load(bundle / "expected.npy").dtype == np.float64
+    assert "`decoder.F0_conv` leaves its floor" in (bundle / "REPORT.md").read_text()
+    assert run_repro(bundle, timeout=120)["exit_code"] == 2
+    assert f"repro of decoder.F0_conv: {bundle}" in item_table(rec)
+
+
 @needs_mlx
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
@@ -122,6 +161,20 @@ def test_a_wrong_inverse_stft_normalization_is_named_at_the_generator_as_a_gain(
     assert failing == [GENERATOR] and len(rec.stages) == 4, failing  # the modules inside it are within
     assert f"first module whose local error leaves its floor: '{GENERATOR}' (constant gain x0.74" in rec.reason
     assert "-2.50 dB" in rec.reason
+    # the generator's bundle: its repro.py, run alone in a fresh interpreter, reproduces the fault
+    # where mlx-audio has it and is fixed where it does not (the installed, clean mlx-audio)
+    bundle = Path(rec.bisect["repro"])
+    assert bundle == tiny.report_dir / "repro" / rec.item_id and json.loads((bundle / "meta.json").read_text())["module"] == GENERATOR
+    assert {"inputs.npz", "noise.npz", "expected.npy", "meta.json", "repro.py", "REPORT.md", "weights.safetensors",
+            "mlx_call.py"} <= {p.name for p in bundle.iterdir()}
+    faulty = ("import runpy; from mlx_audio.tts.models.kokoro import istftnet; real = istftnet.istft; "
+              "istftnet.istft = lambda *a, **kw: real(*a, **{**kw, 'normalized': False}); "
+              "runpy.run_path('repro.py', run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run([sys.executable, "-c", faulty], cwd=bundle, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1 and "REPRODUCED" in done.stdout, done.stdout + done.stderr[-2000:]
+    clean = run_repro(bundle, timeout=900)
+    assert clean["exit_code"] == 0, clean["repro_output"]
 
 
 @needs_mlx
@@ -130,7 +183,7 @@ def test_a_nan_in_one_adain_is_named_at_that_adain(tiny, monkeypatch):
     import mlx.core as mx
     from mlx_audio.tts.models.kokoro import istftnet
 
-    from harness.rewrite.mlx_audio import counterpart
+    from harness.rewrite.mlx_call import counterpart
 
     target = "decoder.generator.resblocks.1.adain2.0"
     adapter = modules_only()
