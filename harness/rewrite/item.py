@@ -14,13 +14,17 @@ audio against the spread the reference's audio has over noise seeds.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..metrics.tensor import compare_to_floor
+from ..metrics.tensor import compare_to_floor, error_metrics
+from ..patches import NOISE_INPUTS
 from ..port.differences import difference_kind, nonfinite
 from ..port.tensors import reference as reference_tensor
 from ..record import Record, item_id, versions
@@ -105,22 +109,61 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
 
 def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[tuple[str, dict]]:
     """One row per mapped module (`rec.stages`), judged locally as soon as its reference run
-    captured it; the modules whose error leaves the floor, in the order their forward passes end."""
+    captured it, with the rewrite's own chain's value beside it (`chained`, not judged: the
+    pipeline judges the chain end to end); the modules whose error leaves the floor, in the order
+    their forward passes end."""
     conventions = {m.path: m.convention for m in item.mapped}
     km32, km64 = reference_models(session.model.kmodel)
     defects = []
+    with tempfile.TemporaryDirectory(prefix="kokoro-parity-chain-") as where:
+        chain, why = rewrite_chain(session, item, model, traces, conventions, Path(where))
+        if why:
+            rec.audit["rewrite"]["chain"] = why
 
-    def judge(io) -> None:
-        m, seconds = judge_one(item, model, conventions[io.path], io, tol)
-        rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32", "run_s": seconds,
-                           "outputs": {"out": {"local": m, "chained": {}}}, "local_ok": m["ok"], "chained_ok": True})
-        if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
-            rec.bisect = {"kind": "rewrite", "module": io.path, "repro": first_repro(session, item, model, conventions[io.path], io, m, tol)}
-        if not m["ok"]:
-            defects.append((io.path, m))
+        def judge(io) -> None:
+            m, seconds = judge_one(item, model, conventions[io.path], io, tol)
+            rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32",
+                               "run_s": seconds, "local_ok": m["ok"], "chained_ok": True,
+                               "outputs": {"out": {"local": m, "chained": chained_metrics(chain.get(io.path), io, why)}}})
+            if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
+                rec.bisect = {"kind": "rewrite", "module": io.path,
+                              "repro": first_repro(session, item, model, conventions[io.path], io, m, tol)}
+            if not m["ok"]:
+                defects.append((io.path, m))
 
-    rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
+        rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
     return defects
+
+
+def rewrite_chain(session, item: RewriteItem, model, traces, conventions: dict, where: Path) -> tuple[dict, str]:
+    """The rewrite's own tokens -> audio, run once with Kokoro's noise: each mapped module's output
+    in a file of `where` (memory holds none of them), and why the chain is missing or stopped."""
+    case = session.cases[item.case]
+    noise = {k: v.float() for k, v in traces.inputs("decoder", "dynamic", "float64").items() if k in NOISE_INPUTS}
+    files: dict[str, Path] = {}
+
+    def save(path: str, value: np.ndarray) -> None:
+        files[path] = where / f"{len(files)}.npy"
+        np.save(files[path], value)
+
+    try:
+        ran = item.adapter.chained(model, case.phonemes, reference_tensor("ref_s", traces), case.speed, noise,
+                                   conventions, save)
+    except Exception as e:  # noqa: BLE001 - the rewrite's own chain: its error, said; the modules it reached stand
+        return files, f"the rewrite's own chain raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return files, "" if ran else "the adapter runs no chain of its own (`Adapter.chained`)"
+
+
+def chained_metrics(saved: Path | None, io, why: str) -> dict:
+    """The rewrite's own chain's value of a module against the float64 reference's (not judged)."""
+    if saved is None:
+        return {"why": why or "the rewrite's own chain did not call it"}
+    value = torch.from_numpy(np.load(saved))
+    if tuple(value.shape) != tuple(io.out64.shape):
+        return {"why": f"shape {list(value.shape)} != reference {list(io.out64.shape)}"}
+    m = error_metrics(value.double(), io.out64)
+    m["kind"] = difference_kind(value, io.out64)
+    return m
 
 
 def first_repro(session, item: RewriteItem, model, convention: str, io, m: dict, tol) -> str:

@@ -134,6 +134,15 @@ class MlxAudio(Adapter):
                           "adapter's load converted the Kokoro checkpoint through mlx-audio's `sanitize`), are loaded "
                           "into its counterpart with `load_weights(strict=True)`")}
 
+    def chained(self, model, phonemes: str, ref_s: torch.Tensor, speed: float, noise: dict, conventions: dict,
+                save) -> bool:
+        """mlx-audio's own forward pass with Kokoro's noise, each mapped module's first output saved."""
+        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
+
+        with mlx_call.intermediates(model, conventions, save), self.noise(noise):
+            model(phonemes, mlx_call.mx.array(ref_s.float().numpy()), speed=speed)
+        return True
+
     def synthesize(self, model, phonemes: str, ref_s: torch.Tensor, speed: float):
         # optional runtime: mlx-audio (the `mlx` extra)
         import mlx.core as mx

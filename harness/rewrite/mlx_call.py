@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -46,25 +46,62 @@ def call(module, path: str, convention: str, args: list, kwargs: dict) -> np.nda
     layout), by the adapter's convention; its first output as float32 numpy in Kokoro's layout."""
     a = [to_mx(v) for v in args]
     kw = {k: to_mx(v) for k, v in kwargs.items()}
-    if convention == "call":
-        out = module(*a, **kw)
+    if convention in ("call", "pool"):
+        out = module(*a, **kw) if convention == "call" else module(a[0].swapaxes(2, 1), mx.conv_transpose1d)
     elif convention == "bert":  # Kokoro's CustomAlbert returns the last hidden state only
         out = module(a[0], attention_mask=kw.get("attention_mask", a[1] if len(a) > 1 else None))
     elif convention == "embeddings":  # position and token type ids: both sides' defaults
         out = module(a[0] if a else kw["input_ids"])
     elif convention in ("conv", "channels_last"):  # mlx.nn.Conv1d, mlx.nn.LayerNorm: channels-last
-        out = module(a[0].swapaxes(2, 1)).swapaxes(2, 1)
-    elif convention == "weighted_conv":
-        out = module(a[0].swapaxes(2, 1), mx.conv1d).swapaxes(2, 1)
-    elif convention == "weighted_conv_transpose":
-        out = module(a[0].swapaxes(2, 1), mx.conv_transpose1d).swapaxes(2, 1)
-    elif convention == "pool":  # AdainResBlk1d._residual slices the unpadded transposed conv
-        out = module(a[0].swapaxes(2, 1), mx.conv_transpose1d)[:, 1:, :].swapaxes(2, 1)
+        out = module(a[0].swapaxes(2, 1))
+    elif convention in ("weighted_conv", "weighted_conv_transpose"):
+        out = module(a[0].swapaxes(2, 1), mx.conv1d if convention == "weighted_conv" else mx.conv_transpose1d)
     else:
         raise ValueError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
+    return kokoro_layout(out, convention)
+
+
+def kokoro_layout(out, convention: str) -> np.ndarray:
+    """A module's first output in Kokoro's layout, float32 numpy: the channels-last conventions
+    transposed back; `pool` sliced as AdainResBlk1d._residual slices the unpadded transposed conv."""
     first = out[0] if isinstance(out, (tuple, list)) else out
+    if convention == "pool":
+        first = first[:, 1:, :]
+    if convention in ("conv", "channels_last", "weighted_conv", "weighted_conv_transpose", "pool"):
+        first = first.swapaxes(2, 1)
     mx.eval(first)
     return np.array(first.astype(mx.float32))
+
+
+@contextlib.contextmanager
+def intermediates(model, conventions: dict[str, str], save: Callable[[str, np.ndarray], None]) -> Iterator[None]:
+    """During this context, the counterpart of each path of `conventions` hands its first call's
+    output (Kokoro's layout) to `save`: the classes' `__call__` wrapped, matched by object."""
+    by_id = {id(counterpart(model, p)): p for p in conventions}
+    classes = {type(counterpart(model, p)) for p in conventions}
+    real, own = {c: c.__call__ for c in classes}, {c for c in classes if "__call__" in c.__dict__}
+    seen: set[str] = set()
+
+    def wrapped(cls):
+        def call_and_save(self, *args, **kwargs):
+            out = real[cls](self, *args, **kwargs)
+            path = by_id.get(id(self))
+            if path is not None and path not in seen:
+                seen.add(path)
+                save(path, kokoro_layout(out, conventions[path]))
+            return out
+        return call_and_save
+
+    for cls in classes:
+        cls.__call__ = wrapped(cls)
+    try:
+        yield
+    finally:
+        for cls in classes:
+            if cls in own:
+                cls.__call__ = real[cls]
+            else:
+                del cls.__call__
 
 
 @contextlib.contextmanager

@@ -161,6 +161,12 @@ def test_a_wrong_inverse_stft_normalization_is_named_at_the_generator_as_a_gain(
     assert failing == [GENERATOR] and len(rec.stages) == 4, failing  # the modules inside it are within
     assert f"first module whose local error leaves its floor: '{GENERATOR}' (constant gain x0.74" in rec.reason
     assert "-2.50 dB" in rec.reason
+    # mlx-audio's own chain beside each row: drawing Kokoro's noise, its NSF source matches sample by
+    # sample, and the generator's output carries the same gain
+    chained = {r["stage"]: r["outputs"]["out"]["chained"] for r in rec.stages}
+    assert all(c.get("rel_l2") is not None for c in chained.values()), chained
+    assert chained[f"{GENERATOR}.m_source"]["rel_l2"] < 1e-5
+    assert chained[GENERATOR]["kind"].startswith("constant gain x0.7"), chained[GENERATOR]
     # the generator's bundle: its repro.py, run alone in a fresh interpreter, reproduces the fault
     # where mlx-audio has it and is fixed where it does not (the installed, clean mlx-audio)
     bundle = Path(rec.bisect["repro"])
