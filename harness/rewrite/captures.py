@@ -5,10 +5,11 @@ Forward hooks (every positional and keyword input, the first output) on one teac
 run of each harness step that reaches the modules (`reference.step_of_module`, the traces' own
 dynamic inputs, the case's noise). Each module is handed on (judged) from inside that run as soon
 as its forward pass ends, and its captures dropped: memory holds the inputs of the mapped modules
-still running and one module's output, not every module's of the step. The floor is local too: the float32 module run alone on those
-float64 inputs cast to float32, so a module's floor is its own rounding, not the error the chain
-accumulated before it. Modules come back in the order their forward passes *end* (children before
-their parent), so the first row that leaves its floor is the innermost module with the defect.
+still running and one module's output, not every module's of the step. The floor is local too:
+the float32 module run alone on those float64 inputs cast to float32, so a module's floor is its
+own rounding, not the error the chain accumulated before it. Modules come back in the order their
+forward passes *end* (children before their parent), so the first row that leaves its floor is the
+innermost module with the defect.
 A PackedSequence (Kokoro packs its LSTMs' inputs) is unpacked: at batch 1 on exact lengths it is
 the whole sequence.
 """

@@ -122,9 +122,10 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
 
         def judge(io) -> None:
             m, seconds = judge_one(item, model, conventions[io.path], io, tol)
+            ch = chained_metrics(chain.get(io.path), io, why)
             rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32",
                                "run_s": seconds, "local_ok": m["ok"], "chained_ok": True,
-                               "outputs": {"out": {"local": m, "chained": chained_metrics(chain.get(io.path), io, why)}}})
+                               "outputs": {"out": {"local": m, "chained": ch}}})
             if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
                 rec.bisect = {"kind": "rewrite", "module": io.path,
                               "repro": first_repro(session, item, model, conventions[io.path], io, m, tol)}
