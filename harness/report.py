@@ -233,6 +233,8 @@ def format_bisect(b: dict) -> str:
         return "\n".join(pte_lines(b))
     if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
         return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
+    if b.get("kind") == "rewrite":  # harness/rewrite: the first failing module's bundle
+        return f"repro of {b['module']}: {b['repro']}"
     if b.get("status") == "error":
         return f"bisect: could not run: {b.get('message')}"
     lines = []

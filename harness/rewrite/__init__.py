@@ -2,8 +2,10 @@
 
 - `adapter`: the interface (which Kokoro modules a rewrite maps, how each is called, how the
   rewrite loads a Kokoro checkpoint) and the check of its module paths;
-- `mlx_audio`: mlx-audio's MLX Kokoro, the first adapter;
+- `mlx_audio`: mlx-audio's MLX Kokoro, the first adapter (`mlx_call`: how it calls a module, with
+  mlx and numpy only, the file its repro bundles ship);
 - `captures`: each mapped module's float64 inputs and output and its float32 floor;
+- `repro`: the first failing module's standalone repro bundle;
 - `item`: `RewriteItem`, one more kind of item of harness.pipeline.
 """
 from __future__ import annotations

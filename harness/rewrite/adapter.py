@@ -18,6 +18,7 @@ import contextlib
 import difflib
 import fnmatch
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -50,6 +51,13 @@ class Adapter:
       holding the vocoder's noise source can be judged sample by sample.
     - `synthesize(model, phonemes, ref_s, speed)`: the rewrite's own tokens -> audio (its own
       noise), returning (audio [samples], durations [tokens]) or None when it has no such entry.
+    - `chained(model, phonemes, ref_s, speed, noise, conventions, save)`: optional; run the
+      rewrite's own tokens -> audio once, drawing Kokoro's `noise`, and hand each mapped module's
+      output (Kokoro's layout, numpy) to `save(path, value)`; False when it has no such entry.
+    - `repro(model, path, convention, out_dir)`: optional; write into `out_dir` what a standalone
+      run of module `path` needs (its weights, a runner file defining `run_saved(here, meta, args,
+      kwargs, noise)` -> numpy output in Kokoro's layout) and return {"runner": module name,
+      "packages": [...], "built": how the module is built}; None: the bundle's repro.py exits 2.
     """
 
     name: str = "rewrite"
@@ -70,6 +78,13 @@ class Adapter:
 
     def synthesize(self, model: Any, phonemes: str, ref_s: torch.Tensor, speed: float):
         return None
+
+    def repro(self, model: Any, path: str, convention: str, out_dir: Path) -> dict | None:
+        return None
+
+    def chained(self, model: Any, phonemes: str, ref_s: torch.Tensor, speed: float, noise: dict[str, torch.Tensor],
+                conventions: dict[str, str], save) -> bool:
+        return False
 
 
 def resolve_modules(adapter: Adapter, paths: tuple[str, ...], source: str) -> list[Mapped]:

@@ -3,10 +3,13 @@ torch float32's own output on the same inputs (the module's noise floor).
 
 Forward hooks (every positional and keyword input, the first output) on one teacher-forced float64
 run of each harness step that reaches the modules (`reference.step_of_module`, the traces' own
-dynamic inputs, the case's noise). The floor is local too: the float32 module run alone on those
-float64 inputs cast to float32, so a module's floor is its own rounding, not the error the chain
-accumulated before it. Modules come back in the order their forward passes *end* (children before
-their parent), so the first row that leaves its floor is the innermost module with the defect.
+dynamic inputs, the case's noise). Each module is handed on (judged) from inside that run as soon
+as its forward pass ends, and its captures dropped: memory holds the inputs of the mapped modules
+still running and one module's output, not every module's of the step. The floor is local too:
+the float32 module run alone on those float64 inputs cast to float32, so a module's floor is its
+own rounding, not the error the chain accumulated before it. Modules come back in the order their
+forward passes *end* (children before their parent), so the first row that leaves its floor is the
+innermost module with the defect.
 A PackedSequence (Kokoro packs its LSTMs' inputs) is unpacked: at batch 1 on exact lengths it is
 the whole sequence.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable
 
 import torch
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
@@ -74,34 +77,57 @@ def steps_for(paths: list[str]) -> dict[str, str]:
     return {path: [s for s in reaching(path) if s in needed][-1] for path in paths}
 
 
-def module_io(km32, km64, traces, paths: list[str]) -> Iterator[ModuleIO]:
-    """Each of `paths` with its float64 inputs and output and its float32 floor output, one step
-    at a time (memory holds one step's captures), in the order their forward passes end."""
+def nbytes(value) -> int:
+    """Bytes of the tensors in a captured value (a tensor, or a tuple/list/dict of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(map(nbytes, value))
+    if isinstance(value, dict):
+        return sum(map(nbytes, value.values()))
+    return 0
+
+
+def module_io(km32, km64, traces, paths: list[str], consume: Callable[[ModuleIO], None]) -> int:
+    """Call `consume` on each of `paths` with its float64 inputs and output and its float32 floor
+    output, in the order their forward passes end, from inside the forward pass that captured
+    them: a module's captures are dropped once it is consumed, so memory holds the inputs of the
+    modules still running (its mapped ancestors) and one module's output, never a whole step's.
+    Returns the peak bytes the captures held at once."""
     by_step: dict[str, list[str]] = {}
     for path, step in steps_for(paths).items():
         by_step.setdefault(step, []).append(path)
+    peak = 0
     for step in (s.name for s in STEPS if s.name in by_step):
         inputs = traces.inputs(step, "dynamic", "float64")
         noise = {k: v for k, v in inputs.items() if k in NOISE_INPUTS}
-        seen: dict[str, list] = {}
-        order: list[str] = []
+        held: dict[str, tuple] = {}  # path -> (args, kwargs) of the mapped modules running now
+        done: set[str] = set()  # a module run twice (ALBERT's shared layer) is captured once
 
         def hooks(path, sub):
             def before(m, args, kwargs):
-                seen.setdefault(path, [tuple(plain(a) for a in args), {k: plain(v) for k, v in kwargs.items()}])
+                if path not in done and path not in held:
+                    held[path] = (tuple(plain(a) for a in args), {k: plain(v) for k, v in kwargs.items()})
 
             def after(m, args, kwargs, out):
-                if len(seen[path]) == 2:
-                    seen[path].append(first(out))
-                    order.append(path)
+                nonlocal peak
+                if path in done or path not in held:
+                    return
+                done.add(path)
+                io = floor_of(km32, path, *held[path], first(out), noise)
+                peak = max(peak, nbytes(held) + nbytes((io.out64, io.out32)))
+                del held[path]
+                consume(io)
             return [sub.register_forward_pre_hook(before, with_kwargs=True),
                     sub.register_forward_hook(after, with_kwargs=True)]
 
         with registered(h for p in by_step[step] for h in hooks(p, km64.get_submodule(p))), torch.no_grad():
             get_step(step).module(km64)(*inputs.values())
-        for path in order:
-            args, kwargs, out64 = seen.pop(path)
-            with torch.no_grad(), provide_noise({k: v.float() for k, v in noise.items()}):
-                out32 = first(km32.get_submodule(path)(*map(cast32, args),
-                                                       **{k: cast32(v) for k, v in kwargs.items()}))
-            yield ModuleIO(path, args, kwargs, out64, out32, noise)
+    return peak
+
+
+def floor_of(km32, path: str, args: tuple, kwargs: dict, out64: torch.Tensor, noise: dict) -> ModuleIO:
+    """The module's captures with torch float32's own output on them cast (its floor)."""
+    with torch.no_grad(), provide_noise({k: v.float() for k, v in noise.items()}):
+        out32 = first(km32.get_submodule(path)(*map(cast32, args), **{k: cast32(v) for k, v in kwargs.items()}))
+    return ModuleIO(path, args, kwargs, out64, out32, noise)

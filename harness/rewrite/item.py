@@ -6,26 +6,32 @@ the rewrite's layout by the adapter) and its output is judged against the float6
 torch float32's own error on the same inputs as the floor (harness.rewrite.captures). The rows
 are the port table's (`rec.stages`, printed by `report.port_lines`); the reason names the first
 module, in the order their forward passes end (innermost first), whose local error leaves its
-floor, with the kind of difference (harness.port.differences). Then the rewrite's own pipeline
+floor, with the kind of difference (harness.port.differences), and writes that module's repro
+bundle (harness.rewrite.repro). Then the rewrite's own pipeline
 (its own noise, its own durations) is judged like a whole-model artifact: durations exactly, the
 audio against the spread the reference's audio has over noise seeds.
 """
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..metrics.tensor import compare_to_floor
+from ..metrics.tensor import compare_to_floor, error_metrics
+from ..patches import NOISE_INPUTS
 from ..port.differences import difference_kind, nonfinite
 from ..port.tensors import reference as reference_tensor
 from ..record import Record, item_id, versions
 from ..verdict import Verdict, band_comparator, comparator
 from .adapter import Adapter, Mapped
-from .captures import module_io, reference_models
+from .captures import cast32, module_io, reference_models
+from .repro import write_rewrite_repro
 from ..metrics.audio import audio_metrics
 from ..port.noise import DIRECTIONS, noise_band, session_k
 
@@ -88,7 +94,7 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
                             "load_notes": list(getattr(model, "load_notes", []))}
     tol = session.profile.for_("rewrite", item.backend, item.mode)
     traces = session.traces(item.case)
-    defects = judge_modules(item, model, session.model.kmodel, traces, tol, rec)
+    defects = judge_modules(session, item, model, traces, tol, rec)
     failures = [f"{path}: {m['why']}; {m['kind']}" for path, m in defects]
     failures += judge_pipeline(session, item, model, traces, tol, rec)
     if failures:
@@ -101,31 +107,91 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
     return session.finish(rec)
 
 
-def judge_modules(item: RewriteItem, model, kmodel, traces, tol, rec) -> list[tuple[str, dict]]:
-    """One row per mapped module (`rec.stages`), judged locally; the modules whose error leaves
-    the floor, in the order their forward passes end."""
+def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[tuple[str, dict]]:
+    """One row per mapped module (`rec.stages`), judged locally as soon as its reference run
+    captured it, with the rewrite's own chain's value beside it (`chained`, not judged: the
+    pipeline judges the chain end to end); the modules whose error leaves the floor, in the order
+    their forward passes end."""
     conventions = {m.path: m.convention for m in item.mapped}
-    km32, km64 = reference_models(kmodel)
+    km32, km64 = reference_models(session.model.kmodel)
     defects = []
-    for io in module_io(km32, km64, traces, list(conventions)):
-        args = tuple(v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in io.args)
-        kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                  for k, v in io.kwargs.items()}
-        start = time.perf_counter()
-        try:
-            with item.adapter.noise({k: v.float() for k, v in io.noise.items()}):
-                value = item.adapter.run(model, io.path, conventions[io.path], args, kwargs)
-            seconds = time.perf_counter() - start
-            m = judge_local(value, io.out32, io.out64, tol)
-        except Exception as e:  # noqa: BLE001 - the rewrite raised on this module: the row says so
-            seconds = time.perf_counter() - start
-            m = {"ok": False, "why": f"the rewrite raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                 "kind": "run error"}
-        rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32", "run_s": seconds,
-                           "outputs": {"out": {"local": m, "chained": {}}}, "local_ok": m["ok"], "chained_ok": True})
-        if not m["ok"]:
-            defects.append((io.path, m))
+    with tempfile.TemporaryDirectory(prefix="kokoro-parity-chain-") as where:
+        chain, why = rewrite_chain(session, item, model, traces, conventions, Path(where))
+        if why:
+            rec.audit["rewrite"]["chain"] = why
+
+        def judge(io) -> None:
+            m, seconds = judge_one(item, model, conventions[io.path], io, tol)
+            ch = chained_metrics(chain.get(io.path), io, why)
+            rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32",
+                               "run_s": seconds, "local_ok": m["ok"], "chained_ok": True,
+                               "outputs": {"out": {"local": m, "chained": ch}}})
+            if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
+                rec.bisect = {"kind": "rewrite", "module": io.path,
+                              "repro": first_repro(session, item, model, conventions[io.path], io, m, tol)}
+            if not m["ok"]:
+                defects.append((io.path, m))
+
+        rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
     return defects
+
+
+def rewrite_chain(session, item: RewriteItem, model, traces, conventions: dict, where: Path) -> tuple[dict, str]:
+    """The rewrite's own tokens -> audio, run once with Kokoro's noise: each mapped module's output
+    in a file of `where` (memory holds none of them), and why the chain is missing or stopped."""
+    case = session.cases[item.case]
+    noise = {k: v.float() for k, v in traces.inputs("decoder", "dynamic", "float64").items() if k in NOISE_INPUTS}
+    files: dict[str, Path] = {}
+
+    def save(path: str, value: np.ndarray) -> None:
+        files[path] = where / f"{len(files)}.npy"
+        np.save(files[path], value)
+
+    try:
+        ran = item.adapter.chained(model, case.phonemes, reference_tensor("ref_s", traces), case.speed, noise,
+                                   conventions, save)
+    except Exception as e:  # noqa: BLE001 - the rewrite's own chain: its error, said; the modules it reached stand
+        return files, f"the rewrite's own chain raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return files, "" if ran else "the adapter runs no chain of its own (`Adapter.chained`)"
+
+
+def chained_metrics(saved: Path | None, io, why: str) -> dict:
+    """The rewrite's own chain's value of a module against the float64 reference's (not judged)."""
+    if saved is None:
+        return {"why": why or "the rewrite's own chain did not call it"}
+    value = torch.from_numpy(np.load(saved))
+    if tuple(value.shape) != tuple(io.out64.shape):
+        return {"why": f"shape {list(value.shape)} != reference {list(io.out64.shape)}"}
+    m = error_metrics(value.double(), io.out64)
+    m["kind"] = difference_kind(value, io.out64)
+    return m
+
+
+def first_repro(session, item: RewriteItem, model, convention: str, io, m: dict, tol) -> str:
+    """The repro bundle of the first failing module, <report-dir>/repro/<item>/ (its path), or why
+    it could not be written."""
+    out = session.report_dir / "repro" / item.id
+    try:
+        write_rewrite_repro(out, item.adapter, model, convention, io, m, tol)
+    except Exception as e:  # noqa: BLE001 - the bundle is a by-product: its failure is said, the row stands
+        return f"not written: {type(e).__name__}: {e}"
+    return str(out)
+
+
+def judge_one(item: RewriteItem, model, convention: str, io, tol) -> tuple[dict, float]:
+    """The rewrite's counterpart of one module on its captured inputs cast to float32, judged
+    against the float64 output and the float32 floor; the seconds it ran."""
+    args = tuple(cast32(v) for v in io.args)
+    kwargs = {k: cast32(v) for k, v in io.kwargs.items()}
+    start = time.perf_counter()
+    try:
+        with item.adapter.noise({k: v.float() for k, v in io.noise.items()}):
+            value = item.adapter.run(model, io.path, convention, args, kwargs)
+        seconds = time.perf_counter() - start
+        return judge_local(value, io.out32, io.out64, tol), seconds
+    except Exception as e:  # noqa: BLE001 - the rewrite raised on this module: the row says so
+        return ({"ok": False, "why": f"the rewrite raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                 "kind": "run error"}, time.perf_counter() - start)
 
 
 def judge_local(value: torch.Tensor, out32: torch.Tensor, out64: torch.Tensor, tol) -> dict:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import shutil
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -105,56 +107,41 @@ class MlxAudio(Adapter):
         return model
 
     def run(self, model, path: str, convention: str, args: tuple, kwargs: dict) -> torch.Tensor:
-        # optional runtime: mlx-audio (the `mlx` extra)
-        import mlx.core as mx
+        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
 
-        module = counterpart(model, path)
-        a = [to_mx(v) for v in args]
-        kw = {k: to_mx(v) for k, v in kwargs.items()}
-        if convention == "call":
-            out = module(*a, **kw)
-        elif convention == "bert":  # Kokoro's CustomAlbert returns the last hidden state only
-            out = module(a[0], attention_mask=kw.get("attention_mask", a[1] if len(a) > 1 else None))
-        elif convention == "embeddings":  # position and token type ids: both sides' defaults
-            out = module(a[0] if a else kw["input_ids"])
-        elif convention in ("conv", "channels_last"):  # mlx.nn.Conv1d, mlx.nn.LayerNorm: channels-last
-            out = module(a[0].swapaxes(2, 1)).swapaxes(2, 1)
-        elif convention == "weighted_conv":
-            out = module(a[0].swapaxes(2, 1), mx.conv1d).swapaxes(2, 1)
-        elif convention == "weighted_conv_transpose":
-            out = module(a[0].swapaxes(2, 1), mx.conv_transpose1d).swapaxes(2, 1)
-        elif convention == "pool":  # AdainResBlk1d._residual slices the unpadded transposed conv
-            out = module(a[0].swapaxes(2, 1), mx.conv_transpose1d)[:, 1:, :].swapaxes(2, 1)
-        else:
-            raise ValueError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        mx.eval(first)
-        return torch.from_numpy(np.array(first.astype(mx.float32)))
+        out = mlx_call.call(mlx_call.counterpart(model, path), path, convention,
+                            [to_numpy(v) for v in args], {k: to_numpy(v) for k, v in kwargs.items()})
+        return torch.from_numpy(out)
 
     @contextlib.contextmanager
     def noise(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
-        """mlx-audio draws `mx.random.uniform` (SineGen's initial phases, [batch, 9]) and
-        `mx.random.normal` (SineGen's noise [batch, samples, 9], the NSF source's [batch, samples,
-        1]); during this context they return Kokoro's numbers of the same shape."""
-        # optional runtime: mlx-audio (the `mlx` extra)
-        import mlx.core as mx
+        """Kokoro's noise drawn in place of mlx-audio's (`mlx_call.kokoro_noise`)."""
+        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
 
-        by_shape = {tuple(v.shape): mx.array(v.float().numpy()) for v in values.values()}
-        real = mx.random.uniform, mx.random.normal
-
-        def drawn(shape, *_, **kw):
-            key = tuple(kw.get("shape", shape))
-            if key not in by_shape:
-                raise RuntimeError(f"mlx-audio drew random numbers of shape {key}: no Kokoro noise input has it "
-                                   f"({sorted(by_shape)})")
-            return by_shape[key]
-
-        mx.random.uniform = lambda low=0, high=1, shape=(), *a, **kw: drawn(kw.pop("shape", shape), **kw)
-        mx.random.normal = lambda shape=(), *a, **kw: drawn(shape, **kw)
-        try:
+        with mlx_call.kokoro_noise({k: v.float().numpy() for k, v in values.items()}):
             yield
-        finally:
-            mx.random.uniform, mx.random.normal = real
+
+    def repro(self, model, path: str, convention: str, out_dir: Path) -> dict:
+        """The module's weights as this adapter loaded them and the model's config; the bundle's
+        runner is `mlx_call.py`, the file the adapter itself calls modules through."""
+        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
+
+        mlx_call.save_module(model, path, kokoro_config(), out_dir)
+        shutil.copyfile(mlx_call.__file__, out_dir / "mlx_call.py")
+        return {"runner": "mlx_call", "packages": ["numpy", "mlx", "mlx_audio"],
+                "built": ("mlx-audio's `Model` is built from `config.json` (random weights, nothing downloaded); the "
+                          f"module's own weights, `{mlx_call.WEIGHTS}` (mlx-audio's names and layout, as the "
+                          "adapter's load converted the Kokoro checkpoint through mlx-audio's `sanitize`), are loaded "
+                          "into its counterpart with `load_weights(strict=True)`")}
+
+    def chained(self, model, phonemes: str, ref_s: torch.Tensor, speed: float, noise: dict, conventions: dict,
+                save) -> bool:
+        """mlx-audio's own forward pass with Kokoro's noise, each mapped module's first output saved."""
+        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
+
+        with mlx_call.intermediates(model, conventions, save), self.noise(noise):
+            model(phonemes, mlx_call.mx.array(ref_s.float().numpy()), speed=speed)
+        return True
 
     def synthesize(self, model, phonemes: str, ref_s: torch.Tensor, speed: float):
         # optional runtime: mlx-audio (the `mlx` extra)
@@ -171,26 +158,11 @@ def kmodel_config(kmodel: torch.nn.Module) -> dict:
     return kokoro_config()
 
 
-def counterpart(model, path: str):
-    """mlx-audio's object at a Kokoro module path: attributes, and list items for the indices."""
-    obj = model
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() and isinstance(obj, (list, tuple)) else getattr(obj, part)
-    return obj
-
-
-def to_mx(value):
-    """A Kokoro input as mlx-audio takes it: float tensors as float32, integers as int32."""
-    # optional runtime: mlx-audio (the `mlx` extra)
-    import mlx.core as mx
-
+def to_numpy(value):
+    """A Kokoro input as numpy (float tensors as float32), anything else as it is."""
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dtype == torch.bool:
-        return mx.array(value.numpy())
-    if value.is_floating_point():
-        return mx.array(value.detach().float().numpy())
-    return mx.array(value.numpy().astype(np.int32))
+    return value.detach().float().numpy() if value.is_floating_point() else value.detach().numpy()
 
 
 def dropped_notes(dropped: dict) -> list[str]:

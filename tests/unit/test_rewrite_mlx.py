@@ -5,11 +5,16 @@ the field and the nearest module paths."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from harness.rewrite import RewriteError, RewriteItem, load_adapter, resolve_modules
+from harness.repro import run_repro
 from harness.rewrite.item import run_rewrite_item
 
 from .conftest import tiny_session_at
@@ -52,6 +57,62 @@ def item_for(session, keep=lambda path: path != "decoder", adapter=None) -> Rewr
     paths = tuple(p for p, _ in session.model.kmodel.named_modules() if p)
     mapped = tuple(m for m in resolve_modules(adapter, paths, "mlx-audio") if keep(m.path))
     return RewriteItem("tiny", "mlx-audio", adapter, mapped)
+
+
+def test_captures_hold_the_running_modules_inputs_and_one_output_never_a_whole_step(tiny):
+    """Each module is handed on from inside the reference run that captured it and dropped: the
+    peak bytes held are one module's inputs and outputs plus the inputs of its mapped ancestors
+    still running, a fraction of the decoder step's captures held together."""
+    from harness.rewrite.captures import module_io, nbytes, reference_models
+
+    paths = [m.path for m in item_for(tiny, keep=lambda p: p.startswith("decoder")).mapped]
+    sizes, order = {}, []
+
+    def consume(io):
+        sizes[io.path] = (nbytes((io.args, io.kwargs)), nbytes((io.out64, io.out32)))
+        order.append(io.path)
+
+    peak = module_io(*reference_models(tiny.model.kmodel), tiny.traces("tiny"), paths, consume)
+    assert sorted(order) == sorted(paths) and len(paths) > 50
+    assert order.index(f"{GENERATOR}.m_source") < order.index(GENERATOR) < order.index("decoder")  # children first
+    whole = sum(i + o for i, o in sizes.values())  # the step's captures held together
+    ancestors = {p: sum(sizes[q][0] for q in sizes if p.startswith(q + ".")) for p in sizes}
+    assert peak <= max(i + o + ancestors[p] for p, (i, o) in sizes.items())
+    assert peak < whole / 4, (peak, whole)
+
+
+def test_the_first_failing_module_is_written_as_a_bundle_whose_repro_exits_2_without_a_runner(tiny):
+    """A rewrite whose adapter has no `repro` (here torch itself, with a 10% gain on one
+    convolution) still gets the bundle's data; its repro.py says it cannot run here (2)."""
+    import numpy as np
+    import torch
+
+    from harness.report import item_table
+    from harness.rewrite.adapter import Adapter, Mapped
+
+    class Gain(Adapter):
+        name = "gain"
+        modules = {"decoder.F0_conv": "call"}
+
+        def load(self, kmodel):
+            return kmodel
+
+        def run(self, model, path, convention, args, kwargs):
+            with torch.no_grad():
+                return model.get_submodule(path)(*args, **kwargs) * 1.1
+
+    rec = run_rewrite_item(tiny, RewriteItem("tiny", "gain.py", Gain(), (Mapped("decoder.F0_conv", "call"),)))
+    assert rec.verdict.value == "fail" and rec.bisect["module"] == "decoder.F0_conv"
+    bundle = Path(rec.bisect["repro"])
+    assert {p.name for p in bundle.iterdir()} == {"inputs.npz", "noise.npz", "expected.npy", "meta.json", "repro.py",
+                                                  "REPORT.md"}
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["module"] == "decoder.F0_conv" and meta["kind"].startswith("constant gain x1.1")
+    assert meta["tolerance"] >= 1e-5 and meta["rel_l2"] > meta["tolerance"]
+    assert np.load(bundle / "inputs.npz")["arg0"].dtype == np.float32 and np.load(bundle / "expected.npy").dtype == np.float64
+    assert "`decoder.F0_conv` leaves its floor" in (bundle / "REPORT.md").read_text()
+    assert run_repro(bundle, timeout=120)["exit_code"] == 2
+    assert f"repro of decoder.F0_conv: {bundle}" in item_table(rec)
 
 
 @needs_mlx
@@ -100,6 +161,26 @@ def test_a_wrong_inverse_stft_normalization_is_named_at_the_generator_as_a_gain(
     assert failing == [GENERATOR] and len(rec.stages) == 4, failing  # the modules inside it are within
     assert f"first module whose local error leaves its floor: '{GENERATOR}' (constant gain x0.74" in rec.reason
     assert "-2.50 dB" in rec.reason
+    # mlx-audio's own chain beside each row: drawing Kokoro's noise, its NSF source matches sample by
+    # sample, and the generator's output carries the same gain
+    chained = {r["stage"]: r["outputs"]["out"]["chained"] for r in rec.stages}
+    assert all(c.get("rel_l2") is not None for c in chained.values()), chained
+    assert chained[f"{GENERATOR}.m_source"]["rel_l2"] < 1e-5
+    assert chained[GENERATOR]["kind"].startswith("constant gain x0.7"), chained[GENERATOR]
+    # the generator's bundle: its repro.py, run alone in a fresh interpreter, reproduces the fault
+    # where mlx-audio has it and is fixed where it does not (the installed, clean mlx-audio)
+    bundle = Path(rec.bisect["repro"])
+    assert bundle == tiny.report_dir / "repro" / rec.item_id and json.loads((bundle / "meta.json").read_text())["module"] == GENERATOR
+    assert {"inputs.npz", "noise.npz", "expected.npy", "meta.json", "repro.py", "REPORT.md", "weights.safetensors",
+            "mlx_call.py"} <= {p.name for p in bundle.iterdir()}
+    faulty = ("import runpy; from mlx_audio.tts.models.kokoro import istftnet; real = istftnet.istft; "
+              "istftnet.istft = lambda *a, **kw: real(*a, **{**kw, 'normalized': False}); "
+              "runpy.run_path('repro.py', run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run([sys.executable, "-c", faulty], cwd=bundle, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1 and "REPRODUCED" in done.stdout, done.stdout + done.stderr[-2000:]
+    clean = run_repro(bundle, timeout=900)
+    assert clean["exit_code"] == 0, clean["repro_output"]
 
 
 @needs_mlx
@@ -108,7 +189,7 @@ def test_a_nan_in_one_adain_is_named_at_that_adain(tiny, monkeypatch):
     import mlx.core as mx
     from mlx_audio.tts.models.kokoro import istftnet
 
-    from harness.rewrite.mlx_audio import counterpart
+    from harness.rewrite.mlx_call import counterpart
 
     target = "decoder.generator.resblocks.1.adain2.0"
     adapter = modules_only()
