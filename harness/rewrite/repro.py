@@ -9,16 +9,14 @@ convention, tolerance), `repro.py` (exit 1 reproduced, 0 fixed, 2 cannot run her
 """
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..metrics import fmt
-from ..plumbing.files import atomic_write_text
+from ..plumbing.bundle import bundle_info, partial_bundle, write_meta
 from .captures import cast32
 
 REPRO = '''#!/usr/bin/env python3
@@ -31,7 +29,6 @@ NaN/Inf where the reference is finite; 0 once it is within; 2 when it cannot run
 of meta.json's `packages` missing). Needs only {packages}.
 """
 import importlib
-import json
 import sys
 from pathlib import Path
 
@@ -98,32 +95,30 @@ def saved(values, data: dict, prefix: str):
 
 
 def write_rewrite_repro(out: Path, adapter, model, convention: str, io, m: dict, tol) -> dict:
-    """Write the bundle of module `io.path` (its captures `io`, its judged row `m`) to `out`."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    """Write the bundle of module `io.path` (its captures `io`, its judged row `m`) to `out`
+    through plumbing.bundle (whole or absent); the adapter's `repro` adds its own files to it."""
     data: dict = {}
     args = [saved(v, data, f"arg{i}") for i, v in enumerate(io.args)]
     kwargs = {k: saved(v, data, f"kw_{k}") for k, v in io.kwargs.items()}
-    np.savez(out / "inputs.npz", **data)
-    if io.noise:
-        np.savez(out / "noise.npz", **{k: v.float().numpy() for k, v in io.noise.items()})
-    np.save(out / "expected.npy", io.out64.double().numpy())
     floor = m.get("floor_rel_l2", math.nan)
     tolerance = max(tol.rel_l2, tol.floor_multiplier * floor) if not math.isnan(floor) else tol.rel_l2
-    runner = adapter.repro(model, io.path, convention, out)
-    meta = {"rewrite": adapter.name, "module": io.path, "convention": convention, "tolerance": tolerance,
-            "floor_rel_l2": floor, "rel_l2": m.get("rel_l2"), "kind": m.get("kind"), "why": m.get("why"),
-            "args": args, "kwargs": kwargs, "runner": (runner or {}).get("runner"),
-            "packages": (runner or {}).get("packages", ["numpy"])}
-    atomic_write_text(out / "meta.json", json.dumps(meta, indent=1, default=str))
-    summary = f"{adapter.name}: `{io.path}` {m.get('kind')} ({m.get('why')})"
-    atomic_write_text(out / "repro.py", REPRO.format(summary=summary, rewrite=adapter.name, module=io.path,
-                                                     packages=", ".join(meta["packages"]))
-                      if runner else NO_RUNNER.format(rewrite=adapter.name))
-    atomic_write_text(out / "REPORT.md", report_md(meta, runner))
-    return {"path": str(out), "bytes": sum(p.stat().st_size for p in out.iterdir()),
-            "files": sorted(p.name for p in out.iterdir()), "template": runner is not None}
+    with partial_bundle(out) as d:
+        np.savez(d / "inputs.npz", **data)
+        if io.noise:
+            np.savez(d / "noise.npz", **{k: v.float().numpy() for k, v in io.noise.items()})
+        np.save(d / "expected.npy", io.out64.double().numpy())
+        runner = adapter.repro(model, io.path, convention, d)
+        meta = {"rewrite": adapter.name, "module": io.path, "convention": convention, "tolerance": tolerance,
+                "floor_rel_l2": floor, "rel_l2": m.get("rel_l2"), "kind": m.get("kind"), "why": m.get("why"),
+                "args": args, "kwargs": kwargs, "runner": (runner or {}).get("runner"),
+                "packages": (runner or {}).get("packages", ["numpy"])}
+        write_meta(d, meta)
+        summary = f"{adapter.name}: `{io.path}` {m.get('kind')} ({m.get('why')})"
+        (d / "repro.py").write_text(REPRO.format(summary=summary, rewrite=adapter.name, module=io.path,
+                                                 packages=", ".join(meta["packages"]))
+                                    if runner else NO_RUNNER.format(rewrite=adapter.name))
+        (d / "REPORT.md").write_text(report_md(meta, runner))
+    return {**bundle_info(out), "template": runner is not None}
 
 
 def report_md(meta: dict, runner: dict | None) -> str:
