@@ -29,6 +29,7 @@ NaN/Inf where the reference is finite; 0 once it is within; 2 when it cannot run
 of meta.json's `packages` missing). Needs only {packages}.
 """
 import importlib
+import json
 import sys
 from pathlib import Path
 
