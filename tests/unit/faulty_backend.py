@@ -131,17 +131,22 @@ def faulty(base: str, prefix: str = "faulty", fault_env: str = FAULT_ENV) -> typ
         "description": f"TEST ONLY: {base} with one node corrupted (${fault_env})"})
 
 
-FaultyEager = faulty("eager")
-FaultyXnnpack = faulty("xnnpack")
-FaultyPortable = faulty("portable")
-FaultyOnnxruntime = faulty("onnxruntime")
-FaultyTvm = faulty("tvm")
-
 # a second build of eager with only "the runtime's own deviation" ($KOKORO_PARITY_BAND_FAULT): the
 # band a bisection of faulty-eager is judged against (`--band-from band-eager`)
 BAND_FAULT_ENV = "KOKORO_PARITY_BAND_FAULT"
-BandEager = faulty("eager", "band", BAND_FAULT_ENV)
 BASES = {"eager": "FaultyEager", "xnnpack": "FaultyXnnpack", "portable": "FaultyPortable",
          "onnxruntime": "FaultyOnnxruntime", "tvm": "FaultyTvm"}
 EXTRA = ",".join([*(f"faulty-{b}=tests.unit.faulty_backend:{cls}" for b, cls in BASES.items()),
                   "band-eager=tests.unit.faulty_backend:BandEager"])  # the registry's value
+_CLASSES = {**{cls: (b, "faulty", FAULT_ENV) for b, cls in BASES.items()},
+            "BandEager": ("eager", "band", BAND_FAULT_ENV)}
+
+
+def __getattr__(name: str):
+    """FaultyEager, FaultyXnnpack, ..., BandEager: each built on its first use, since building one
+    imports its base backend (XNNPACK's and the portable one import ExecuTorch: seconds) and a
+    process (a test, a worker of one backend) uses one or two of them."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = globals()[name] = faulty(*_CLASSES[name])
+    return cls
