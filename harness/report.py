@@ -234,7 +234,7 @@ def format_bisect(b: dict) -> str:
     if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
         return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
     if b.get("kind") == "rewrite":  # harness/rewrite: the first failing module's bundle
-        return f"repro of {b['module']}: {b['repro']}"
+        return f"repro of {b['module']}: {b.get('repro') or b.get('repro_error')}"
     if b.get("status") == "error":
         return f"bisect: could not run: {b.get('message')}"
     lines = []

@@ -123,11 +123,7 @@ def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, 
     roots = step_roots(ran["order"])
     model = onnx.load(str(path), load_external_data=False)
     place, _ = step_node_paths(model, ran["paths"], roots)
-    ins, _ = describe(path)
-    feed = {}
-    for i, p in enumerate(ins):
-        ref = stage.inputs.get(p.name) or list(stage.inputs.values())[i]
-        feed[p.name] = to_artifact(reference(ref.tensor, traces, "float32"), p, ref.dtype).numpy()
+    feed = {p.name: value.numpy() for p, value in boundary_feed(stage, path, traces)}
     where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "roots": roots,
              "repro": f"{item.id}/{stage.name}"}
     return localize_modules(session, path, item.case, reached(ran, map(place, model.graph.node)), feed, rec,
@@ -139,14 +135,21 @@ def localize_pte_stage(session, item, stage: StageSpec, root: Path, rec, tol, ru
     Kokoro module its ETRecord's module stacks reach, judged chained inside the stage
     (pte_stages.localize_pte_file; the Kokoro module it computes is found from those stacks)."""
     traces = session.traces(item.case)
-    ins, _ = describe(stage.file_for(root))
-    feed = []
-    for i, p in enumerate(ins):
-        ref = stage.inputs.get(p.name) or list(stage.inputs.values())[i]
-        feed.append(to_artifact(reference(ref.tensor, traces, "float32"), p, ref.dtype))
+    feed = [value for _p, value in boundary_feed(stage, stage.file_for(root), traces)]
     target = PteTarget(stage.file_for(root), stage.etrecord_for(root), item.case, None, "dynamic", tol,
                        any(r.tensor in NOISE_INPUTS for r in stage.inputs.values()), stage.name)
     localize_pte_file(session, target, feed, rec, run_dir, log)
+
+
+def boundary_feed(stage: StageSpec, path: Path, traces) -> list:
+    """[(artifact input, the reference's float32 value of the Kokoro tensor the port maps to it)],
+    in the artifact's order, in its rank and dtype: a stage fed the reference at its boundary."""
+    ins, _ = describe(path)
+    feed = []
+    for i, p in enumerate(ins):  # by name, else by position (a .pte's inputs have no names)
+        ref = stage.inputs.get(p.name) or list(stage.inputs.values())[i]
+        feed.append((p, to_artifact(reference(ref.tensor, traces, "float32"), p, ref.dtype)))
+    return feed
 
 
 # ---- the chain's findings --------------------------------------------------------------------------

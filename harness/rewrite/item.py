@@ -128,7 +128,7 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
                                "outputs": {"out": {"local": m, "chained": ch}}})
             if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
                 rec.bisect = {"kind": "rewrite", "module": io.path,
-                              "repro": first_repro(session, item, model, conventions[io.path], io, m, tol)}
+                              **first_repro(session, item, model, conventions[io.path], io, m, tol)}
             if not m["ok"]:
                 defects.append((io.path, m))
 
@@ -167,15 +167,16 @@ def chained_metrics(saved: Path | None, io, why: str) -> dict:
     return m
 
 
-def first_repro(session, item: RewriteItem, model, convention: str, io, m: dict, tol) -> str:
-    """The repro bundle of the first failing module, <report-dir>/repro/<item>/ (its path), or why
-    it could not be written."""
+def first_repro(session, item: RewriteItem, model, convention: str, io, m: dict, tol) -> dict:
+    """The repro bundle of the first failing module, <report-dir>/repro/<item>/: {"repro": its
+    path}, or {"repro_error": why it could not be written} (`repro` is always a path: the
+    dashboard links it)."""
     out = session.report_dir / "repro" / item.id
     try:
         write_rewrite_repro(out, item.adapter, model, convention, io, m, tol)
     except Exception as e:  # noqa: BLE001 - the bundle is a by-product: its failure is said, the row stands
-        return f"not written: {type(e).__name__}: {e}"
-    return str(out)
+        return {"repro_error": f"not written: {type(e).__name__}: {e}"}
+    return {"repro": str(out)}
 
 
 def judge_one(item: RewriteItem, model, convention: str, io, tol) -> tuple[dict, float]:
