@@ -15,6 +15,8 @@ import json
 
 import torch
 
+from .plumbing.errors import UsageError
+
 CHECKPOINT_KEYS = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
 HF_REPO = "hexgrad/Kokoro-82M"
 
@@ -82,6 +84,6 @@ def strict_load(kmodel: torch.nn.Module, checkpoint: dict) -> None:
                      for k in sorted(set(sd) & set(want)) if tuple(sd[k].shape) != tuple(want[k].shape)]
         cleaned[top] = sd
     if problems:
-        raise ValueError(f"checkpoint does not match KModel ({len(problems)} problems):\n  " + "\n  ".join(problems))
+        raise UsageError(f"checkpoint does not match KModel ({len(problems)} problems):\n  " + "\n  ".join(problems))
     for top, sd in cleaned.items():
         getattr(kmodel, top).load_state_dict(sd, strict=True)

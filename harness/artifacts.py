@@ -21,6 +21,7 @@ from .record import item_id
 from .runner import Item, Resolved, failed
 from .steps import STEP_NAMES, get_step
 from .verdict import Verdict
+from .plumbing.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,9 @@ def parse_spec(spec: str) -> tuple[str, str]:
     """"STEP=PATH" -> (step, path), checking both."""
     step, sep, path = spec.partition("=")
     if not sep or not step or not path:
-        raise ValueError(f"--artifact {spec!r}: expected STEP=PATH, e.g. decoder=kokoro_decoder.onnx")
+        raise UsageError(f"--artifact {spec!r}: expected STEP=PATH, e.g. decoder=kokoro_decoder.onnx")
     if step not in STEP_NAMES:
-        raise ValueError(f"--artifact {spec!r}: unknown step {step!r}; steps: {', '.join(STEP_NAMES)}, or e2e "
+        raise UsageError(f"--artifact {spec!r}: unknown step {step!r}; steps: {', '.join(STEP_NAMES)}, or e2e "
                          f"for a whole-model file (another cut: a port file, --port)")
     if not Path(path).exists():
         raise FileNotFoundError(f"--artifact {spec!r}: {path} does not exist")

@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .plumbing.errors import UsageError
 from .plumbing.files import atomic_write_text, content_key
 from .model import PACKAGED_VOICES, phonemize
 
@@ -39,7 +40,7 @@ FRAME_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4000)
 MAX_TOKENS = 512  # ALBERT's max_position_embeddings
 
 
-class CaseError(ValueError):
+class CaseError(UsageError):
     """A case file that cannot be used; the message names the file and the field."""
 
 

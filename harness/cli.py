@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import options
+from .plumbing.errors import UsageError
 from .quiet import quiet
 
 RUN = (*options.RUN, "step")  # `kokoro-parity run` and `nightly` take pytest's options, and --step for -k
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import commands  # after parsing: torch and the harness load only for a command that runs
 
         return commands.dispatch(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (UsageError, FileNotFoundError) as e:  # what the user gave; anything else is a bug: its traceback
         print(f"kokoro-parity: error: {e}", file=sys.stderr)
         return 2
 

@@ -34,6 +34,7 @@ from .backends import backend_names
 from .history import DEFAULT_FACTOR, History, Regression, Run, as_float, item_id, load_history, profile_from
 from .steps import PIPELINE_STEP_NAMES
 from .verdict import Profile
+from .plumbing.errors import UsageError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Cell colours by verdict (the tests read this table): light fills with dark text for the common
@@ -415,7 +416,7 @@ def budget_figure(rec: dict[str, Any], threshold: dict[str, float], div_id: str)
 def read_wav(path: Path) -> tuple[np.ndarray, int]:
     with wave.open(str(path), "rb") as w:
         if w.getsampwidth() != 2:
-            raise ValueError(f"{path}: expected 16-bit PCM")
+            raise UsageError(f"{path}: expected 16-bit PCM")
         data = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float64) / 32767.0
         return data.reshape(-1, w.getnchannels())[:, 0], w.getframerate()
 

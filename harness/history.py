@@ -33,6 +33,7 @@ from .plumbing.files import atomic_write_json, atomic_write_text
 from .record import SCHEMA as RECORD_SCHEMA, Record, _finite_json, item_id as record_item_id
 from .upstream import check_bundles
 from .verdict import Profile, Tolerance, Verdict
+from .plumbing.errors import UsageError
 
 SCHEMA = "kokoro-parity/run/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ RANK = {Verdict.PASS.value: 0, Verdict.FAIL.value: 1, Verdict.RUN_ERROR.value: 2
 PACKAGES = ("torch", "kokoro", "numpy", "executorch", "onnxruntime", "onnx", "coremltools", "apache-tvm", "tvm")
 
 
-class HistoryError(ValueError):
+class HistoryError(UsageError):
     """A run file that cannot be used; the message says why."""
 
 
@@ -271,7 +272,7 @@ def compare(baseline: dict[str, tuple[str, dict[str, Any]]], records: Iterable[d
     Items without an earlier record, or skipped before, have nothing to regress from.
     """
     if factor <= 1:
-        raise ValueError(f"regression factor must be > 1, got {factor}")
+        raise UsageError(f"regression factor must be > 1, got {factor}")
     metrics = tuple(metrics)
     out: list[Regression] = []
     for rec in records:

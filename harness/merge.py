@@ -24,6 +24,7 @@ from typing import Any
 
 from .history import MANIFEST, HistoryError, _check_record, item_id, item_seconds, work_counts
 from .plumbing.files import atomic_write, atomic_write_json
+from .plumbing.errors import UsageError
 
 DERIVED = ("history", "dashboard", "junit")  # made from the records: never merged, rebuilt from the result
 OWN = ("records", "counts")  # merged by meaning, not copied
@@ -70,7 +71,7 @@ def read_shard(path: str | Path) -> Shard:
             rec = json.loads(p.read_text(encoding="utf-8"))
             _check_record(rec, 0)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, HistoryError) as e:
-            raise ValueError(f"{p}: not a record: {e}") from None
+            raise UsageError(f"{p}: not a record: {e}") from None
         shard.records[p.name] = rec
     if not shard.records:
         raise FileNotFoundError(f"{path / 'records'}: no records")
@@ -79,7 +80,7 @@ def read_shard(path: str | Path) -> Shard:
             for k, v in json.loads(p.read_text(encoding="utf-8")).items():
                 shard.counts[k] = shard.counts.get(k, 0) + int(v)
         except (OSError, ValueError, AttributeError, TypeError) as e:
-            raise ValueError(f"{p}: not a counts file: {e}") from None
+            raise UsageError(f"{p}: not a counts file: {e}") from None
     if not shard.counts:  # its processes wrote none (`kokoro-parity run`): what its records show
         shard.counts = work_counts(shard.records.values())
     mine = [p for p in path.rglob("*") if p.relative_to(path).parts[0] not in (*DERIVED, *OWN, MANIFEST)]
@@ -138,7 +139,7 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path, later_wins: bool
             iid = item_id(rec)
             if iid in owner:
                 if not later_wins:
-                    raise ValueError(f"item {iid} is in two shards ({owner[iid].path} and {shard.path}); "
+                    raise UsageError(f"item {iid} is in two shards ({owner[iid].path} and {shard.path}); "
                                      f"--later-wins takes it from the later one")
                 earlier = owner[iid]
                 del earlier.records[next(n for n, r in earlier.records.items() if item_id(r) == iid)]
@@ -152,12 +153,12 @@ def merge_shards(shard_dirs: list[str | Path], out: str | Path, later_wins: bool
         for rel in shard.files:
             first = files.setdefault(rel, shard)
             if first is not shard and not filecmp.cmp(first.path / rel, shard.path / rel, shallow=False):
-                raise ValueError(f"{rel} differs between shards {first.path} and {shard.path}")
+                raise UsageError(f"{rel} differs between shards {first.path} and {shard.path}")
     names = _count_names(shards)
     for sub, mine in (("records", {n for s in shards for n in s.records}), ("counts", {f"{n}.json" for n in names})):
         stale = sorted(p.name for p in (out / sub).glob("*.json") if p.name not in mine)
         if stale:
-            raise ValueError(f"{out / sub} already holds {', '.join(stale[:5])}{' ...' if len(stale) > 5 else ''} "
+            raise UsageError(f"{out / sub} already holds {', '.join(stale[:5])}{' ...' if len(stale) > 5 else ''} "
                              f"from another run: merge into an empty directory, or remove them")
     for rel, shard in files.items():
         _copy(shard.path / rel, out / rel)

@@ -27,6 +27,7 @@ from .architecture import (CHECKPOINT_KEYS, HF_REPO, KOKORO_V1_CONFIG, build_emp
 from .onnx_rebuild import assemble_onnx, rebuild_checkpoint
 from .plumbing import cache
 from .plumbing.files import atomic_write, sha256_file
+from .plumbing.errors import UsageError
 
 WEIGHTS_ENV = "KOKORO_PARITY_WEIGHTS"
 HF_FILE = "kokoro-v1_0.pth"
@@ -55,14 +56,14 @@ def load_user_weights(path: str | os.PathLike) -> LoadedModel:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - the message must name the file
-        raise ValueError(f"--weights {path}: not a loadable torch checkpoint ({e})") from e
+        raise UsageError(f"--weights {path}: not a loadable torch checkpoint ({e})") from e
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"--weights {path}: expected a dict of {CHECKPOINT_KEYS}, got {type(checkpoint).__name__}")
+        raise UsageError(f"--weights {path}: expected a dict of {CHECKPOINT_KEYS}, got {type(checkpoint).__name__}")
     km = build_empty_kmodel()
     try:
         strict_load(km, checkpoint)
     except ValueError as e:
-        raise ValueError(f"--weights {path}: {e}") from None
+        raise UsageError(f"--weights {path}: {e}") from None
     return LoadedModel(km.eval(), name=f"user-{path.stem}", digest=sha256_file(path)[:16], source=str(path))
 
 
@@ -169,10 +170,10 @@ def load_voice(voice: str) -> torch.Tensor:
             return torch.from_numpy(np.load(f)[voice].copy())
     path = Path(voice)
     if not path.is_file():
-        raise ValueError(f"voice {voice!r} is neither a packaged voice {PACKAGED_VOICES} nor a file")
+        raise UsageError(f"voice {voice!r} is neither a packaged voice {PACKAGED_VOICES} nor a file")
     pack = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(pack, torch.Tensor) or pack.shape[-1] != 256:
-        raise ValueError(f"voice file {path}: expected a tensor [..., 256], got "
+        raise UsageError(f"voice file {path}: expected a tensor [..., 256], got "
                          f"{getattr(pack, 'shape', type(pack).__name__)}")
     return pack.float().reshape(-1, 1, 256)
 

@@ -18,6 +18,7 @@ from . import options, pipeline, progress
 from .backends import backend_names, get_backend, set_disabled_workarounds
 from .cases import CaseError
 from .golden import GOLDEN_DIR, GoldenError, GoldenStore
+from .plumbing.errors import UsageError
 from .plumbing.files import atomic_write_json
 from .plumbing.targets import TargetError, get_target
 from .quiet import quiet_logs
@@ -102,7 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "no_workaround", None):  # read by the backends here and in their job children
         try:
             set_disabled_workarounds(config.option.no_workaround)
-        except ValueError as e:
+        except UsageError as e:
             raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") in ("no", "load"):
         config.option.dist = "loadgroup"
@@ -222,7 +223,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "parity_item" in metafunc.fixturenames:
         try:
             items = pipeline.items(_session(config), run_config(config), _backends(config))
-        except (ValueError, FileNotFoundError) as e:
+        except (UsageError, FileNotFoundError) as e:  # any other exception is the harness's: its traceback
             raise pytest.UsageError(str(e)) from None
         metafunc.parametrize("parity_item", items, ids=[i.id for i in items])
     if "golden_key" in metafunc.fixturenames:

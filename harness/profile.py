@@ -27,6 +27,7 @@ from tabulate import tabulate
 from .backends import get_backend
 from .plumbing.files import atomic_write_json, atomic_write_text, save_tensors
 from .plumbing.jobs import run_job
+from .plumbing.errors import UsageError
 
 DELEGATED, PORTABLE = "delegated", "portable kernel"
 
@@ -146,14 +147,14 @@ def profile_item(session, item, repeat: int = 3) -> tuple[dict[str, Any], Path]:
     <report_dir>/profile/<item>/{etdump.etdp, operators.csv, operators.md, profile.json}."""
     backend = get_backend(item.backend)
     if not is_executorch(backend):
-        raise ValueError(f"--backend {item.backend}: ETDump profiles ExecuTorch programs (.pte): xnnpack, portable")
+        raise UsageError(f"--backend {item.backend}: ETDump profiles ExecuTorch programs (.pte): xnnpack, portable")
     if item.step == "e2e":
-        raise ValueError("--step e2e runs two programs: profile its steps (e.g. --step decoder)")
+        raise UsageError("--step e2e runs two programs: profile its steps (e.g. --step decoder)")
     if repeat < 1:
-        raise ValueError(f"--repeat {repeat}: at least one run")
+        raise UsageError(f"--repeat {repeat}: at least one run")
     ok, why = backend.available()
     if not ok:
-        raise ValueError(f"--backend {item.backend}: {why}")
+        raise UsageError(f"--backend {item.backend}: {why}")
     r = session.resolve(item)
     inputs = r.traces.inputs(item.step, item.mode, "float32")
     rec = session.new_record(item, r.patches, backend)

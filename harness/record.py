@@ -15,6 +15,7 @@ from typing import Any
 from . import __version__
 from .plumbing.files import atomic_write_json
 from .verdict import Verdict
+from .plumbing.errors import UsageError
 
 SCHEMA = "kokoro-parity/record/1"
 
@@ -82,7 +83,7 @@ class Record:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Record":
         if d.get("schema") != SCHEMA:
-            raise ValueError(f"record schema {d.get('schema')!r} is not {SCHEMA!r}")
+            raise UsageError(f"record schema {d.get('schema')!r} is not {SCHEMA!r}")
         d = dict(d)
         d["verdict"] = Verdict(d["verdict"])
         return cls(**d)

@@ -27,6 +27,7 @@ from .plumbing.files import atomic_write, content_key, tensors_digest
 from .plumbing.hooks import registered
 from .precision.float16 import FLOOR_VERSION, Float16Mode, Mixed
 from .steps import FRAME_UNITS, NOISE_INPUTS, STAGES, STEPS, Step, build_alignment, get_step
+from .plumbing.errors import UsageError
 
 MODES = ("dynamic", "static")
 REFERENCE_PATCHES = {"dynamic": ("noise_as_input", "dropout_identity"),
@@ -323,7 +324,7 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
             path = ref.rsplit(":", 1)[0]
             step = step_of_module(path)
             if step is None:
-                raise ValueError(f"module reference {ref!r}: no step of the harness runs {path!r}")
+                raise UsageError(f"module reference {ref!r}: no step of the harness runs {path!r}")
             by_step.setdefault(step, []).append(ref)
         km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
         km64 = to_float64(copy.deepcopy(km32))
@@ -347,7 +348,7 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
                     get_step(step).module(km)(*traces.inputs(step, "dynamic", dtype).values())
         silent = [r for r in refs if (r, "float32") not in out]
         if silent:
-            raise ValueError(f"module reference(s) {silent}: the module never ran forward on a tensor in "
+            raise UsageError(f"module reference(s) {silent}: the module never ran forward on a tensor in "
                              f"Kokoro's reference (a method such as TorchSTFT.transform is not a forward)")
         atomic_write(tmp / "captures.pt", lambda f: torch.save(out, f))
 
@@ -527,7 +528,7 @@ CASE_INPUTS = ("input_ids", "attention_mask", "text_mask", "input_lengths", "s_p
 STAGE_GLUE = {"en": ("d", "aln"), "asr": ("t_en", "aln")}  # host glue a stage may run inside itself
 
 
-class BoundaryError(ValueError):
+class BoundaryError(UsageError):
     """A stage's outputs cannot be recomputed from its inputs (e.g. it starts inside a module)."""
 
 

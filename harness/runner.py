@@ -34,6 +34,7 @@ from .record import Record, backend_label, failed, item_id, real_time, skip_comp
 from .reference import MODES, load_traces, references_for
 from .steps import ITEM_STEPS, STAGES, get_step
 from .verdict import Profile, Verdict, judge_outputs
+from .plumbing.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,9 @@ class Session:
     def items(self, backends: list[str], steps: list[str] | None = None, modes=MODES) -> list[Item]:
         for s in steps or ():
             if s in {st.name for st in STAGES}:
-                raise ValueError(f"--step {s}: a stage of the e2e item, not an item of its own; run --step e2e")
+                raise UsageError(f"--step {s}: a stage of the e2e item, not an item of its own; run --step e2e")
             if s not in ITEM_STEPS:
-                raise ValueError(f"--step {s}: unknown step; steps: {', '.join(ITEM_STEPS)}")
+                raise UsageError(f"--step {s}: unknown step; steps: {', '.join(ITEM_STEPS)}")
         return [Item(c, s, b, m, self.target) for c in self.cases for s in (steps or ITEM_STEPS) for b in backends
                 for m in modes]
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .patches import NOISE_INPUTS, provide_noise, run_padded
 from .patches.length_aware_norm import provide_frame_lengths
+from .plumbing.errors import UnknownName
 
 # Unit -> how many of it per token / alignment frame. `samples` = 600 per frame (24 kHz).
 FRAME_UNITS = {"frames": 1, "frames2": 2, "samples": 600}
@@ -202,7 +203,7 @@ def get_step(name: str) -> Step:
     for s in (*STEPS, *STAGES):
         if s.name == name:
             return s
-    raise KeyError(f"unknown step {name!r}; steps: {', '.join(STEP_NAMES)}")
+    raise UnknownName(f"unknown step {name!r}; steps: {', '.join(STEP_NAMES)}")
 
 
 def round_durations(duration: torch.Tensor, n_tokens: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from .metrics.tensor import compare_to_floor, error_metrics
+from .plumbing.errors import UsageError
 
 
 class Verdict(str, enum.Enum):
@@ -67,7 +68,7 @@ class Profile:
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
-            raise ValueError(f"tolerance profile {path}: cannot read ({e})") from None
+            raise UsageError(f"tolerance profile {path}: cannot read ({e})") from None
         where = "default"
         try:
             default = Tolerance(**data.get("default", {}))
@@ -79,7 +80,7 @@ class Profile:
         except (TypeError, ValidationError) as e:
             fields = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()) \
                 if isinstance(e, ValidationError) else str(e)
-            raise ValueError(f"tolerance profile {path}, {where}: {fields}") from None
+            raise UsageError(f"tolerance profile {path}, {where}: {fields}") from None
         return cls(default, overrides)
 
     def for_(self, step: str, backend: str, mode: str) -> Tolerance:

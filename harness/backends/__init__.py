@@ -25,6 +25,7 @@ from ..plumbing.files import atomic_write_json, content_key, size_of
 from ..plumbing.jobs import first_error_line
 from ..plumbing.targets import probe as probe_machine
 from .cost import CostLaw
+from ..plumbing.errors import UnknownName, UsageError
 
 ENTRY_POINT_GROUP = "kokoro_parity.backends"
 COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
@@ -59,7 +60,7 @@ def set_disabled_workarounds(names) -> None:
     known = {w for b in backend_names() for w in _workarounds_of(b)}
     unknown = [n for n in names if n != "all" and n not in known]
     if unknown:
-        raise ValueError(f"--no-workaround {', '.join(unknown)}: unknown workaround; known: all, "
+        raise UsageError(f"--no-workaround {', '.join(unknown)}: unknown workaround; known: all, "
                          f"{', '.join(sorted(known))}")
     if names:
         os.environ[NO_WORKAROUND_ENV] = ",".join(names)
@@ -258,7 +259,7 @@ def get_backend(name: str) -> Backend:
         return PrebuiltBackend(*parse_name(name))
     refs = registry()
     if name not in refs:
-        raise KeyError(f"unknown backend {name!r}; known: {', '.join(sorted(refs))}")
+        raise UnknownName(f"unknown backend {name!r}; known: {', '.join(sorted(refs))}")
     return _load(refs[name])()
 
 

@@ -19,6 +19,7 @@ from torch._decomp import decomposition_table
 from ..precision.islands import keep_tag, op_selector_for, read_keep_list
 from . import Backend, Workaround
 from .tvm import COMMON_PATCHES
+from ..plumbing.errors import UsageError
 
 # harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted
 # (aten.lstm: `lstm_converter` below, inside the conversion, not a patch)
@@ -183,7 +184,7 @@ class _CoreMLBackend(Backend):
         units = os.environ.get(COMPUTE_UNITS_ENV, "").strip().upper()
         if units:
             if units not in COMPUTE_UNITS:
-                raise ValueError(f"${COMPUTE_UNITS_ENV}={units!r}: one of {', '.join(COMPUTE_UNITS)}")
+                raise UsageError(f"${COMPUTE_UNITS_ENV}={units!r}: one of {', '.join(COMPUTE_UNITS)}")
             self.compute_units = units
 
     def runnable(self) -> tuple[bool, str]:
@@ -237,7 +238,7 @@ class _CoreMLBackend(Backend):
         spec = model.get_spec()
         names = [i.name for i in spec.description.input]
         if len(names) != len(inputs):
-            raise ValueError(f"{len(inputs)} inputs given, the Core ML model has {len(names)} ({names})")
+            raise UsageError(f"{len(inputs)} inputs given, the Core ML model has {len(names)} ({names})")
         out = model.predict({n: t.detach().cpu().numpy() for n, t in zip(names, inputs)})
         return [torch.from_numpy(np.asarray(out[o.name])) for o in spec.description.output]
 

@@ -18,6 +18,7 @@ from ..plumbing.jobs import first_error_line
 from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
+from ..plumbing.errors import UsageError
 
 ONNX_NAME = "model.onnx"
 IO_NAME = "io.json"  # the program's user input names, in order: runs map inputs by name
@@ -77,14 +78,14 @@ def input_feed(artifact_path: Path, graph_inputs: list[str], inputs: list) -> di
     """Map the step's inputs (in the program's order) to the model's inputs by name."""
     names = json.loads((artifact_path.parent / IO_NAME).read_text())["inputs"]
     if len(names) != len(inputs):
-        raise ValueError(f"{len(inputs)} inputs given, the program has {len(names)} ({names})")
+        raise UsageError(f"{len(inputs)} inputs given, the program has {len(names)} ({names})")
     by_name = dict(zip(names, inputs))
     # the exporter calls an input that the program mutates in place `<name>_orig` (a bisection probe
     # carved around SineGen's `rand_ini[:, 0] = 0`)
     own = {n: n if n in by_name else n[:-len("_orig")] for n in graph_inputs}
     missing = [n for n, m in own.items() if m not in by_name]
     if missing:
-        raise ValueError(f"ONNX inputs {missing} are not inputs of the program ({names})")
+        raise UsageError(f"ONNX inputs {missing} are not inputs of the program ({names})")
     return {n: by_name[own[n]] for n in graph_inputs}
 
 

@@ -31,6 +31,7 @@ from ..plumbing.files import content_key, sha256_file_cached as sha256_file
 from .onnx_child import run_onnx
 from .onnxruntime_web import NPM_PACKAGE, browser_missing, chromium_version, ort_web_version, webgpu_missing
 from .tvm_library import run_library
+from ..plumbing.errors import UsageError
 
 PREFIX = "prebuilt:"
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
@@ -59,7 +60,7 @@ class Port:
 def kind_of(path: str | Path) -> str:
     suffix = Path(path).suffix.lower()
     if suffix not in KINDS:
-        raise ValueError(f"{path}: unknown artifact type {suffix!r}; known: {', '.join(sorted(KINDS))}")
+        raise UsageError(f"{path}: unknown artifact type {suffix!r}; known: {', '.join(sorted(KINDS))}")
     return KINDS[suffix]
 
 
@@ -95,10 +96,10 @@ def runtimes_for(spec: str, path: str, runtimes) -> list[str]:
     runtimes = list(dict.fromkeys(runtimes or (NATIVE,)))
     unknown = [r for r in runtimes if runtime_problem(path, r).startswith("unknown runtime")]
     if unknown:
-        raise ValueError(f"--artifact-runtime {unknown[0]}: {runtime_problem(path, unknown[0])}")
+        raise UsageError(f"--artifact-runtime {unknown[0]}: {runtime_problem(path, unknown[0])}")
     fit = [r for r in runtimes if not runtime_problem(path, r)]
     if not fit:
-        raise ValueError(f"--artifact {spec}: {runtime_problem(path, runtimes[0])} (add --artifact-runtime "
+        raise UsageError(f"--artifact {spec}: {runtime_problem(path, runtimes[0])} (add --artifact-runtime "
                          f"{NATIVE} to run it there)")
     return fit
 
@@ -111,7 +112,7 @@ class PrebuiltBackend(Backend):
         self.kind = kind_of(self.path)
         problem = runtime_problem(self.path, runtime)
         if problem:
-            raise ValueError(f"{self.path}: {problem}")
+            raise UsageError(f"{self.path}: {problem}")
         self.runtime = runtime
         self.name = PREFIX + ("" if runtime == NATIVE else f"{runtime}@") + str(self.path)
         # a browser runtime reads the ONNX (its input names) and drives Chromium through Playwright

@@ -24,6 +24,7 @@ from torch.nn.utils import remove_weight_norm
 from .length_aware_lstm import LengthAwareLSTM
 from .length_aware_norm import apply_length_aware_norm
 from .stft_islands import apply_stft_islands
+from ..plumbing.errors import UnknownName
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def apply_patches(kmodel: nn.Module, names: tuple[str, ...] | list[str]) -> nn.M
     """A deep copy of `kmodel` with the patches applied in the canonical (registry) order."""
     unknown = [n for n in names if n not in PATCHES]
     if unknown:
-        raise KeyError(f"unknown patch(es) {unknown}; known: {sorted(PATCHES)}")
+        raise UnknownName(f"unknown patch(es) {unknown}; known: {sorted(PATCHES)}")
     model = copy.deepcopy(kmodel)
     for name in PATCHES:
         if name in names:

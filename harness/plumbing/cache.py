@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+from .errors import UsageError
 
 CACHE_ENV = "KOKORO_PARITY_CACHE"
 MAX_GB_ENV = "KOKORO_PARITY_CACHE_MAX_GB"
@@ -115,7 +116,7 @@ def max_bytes() -> int:
     try:
         gb = float(raw) if raw else DEFAULT_MAX_GB
     except ValueError:
-        raise ValueError(f"{MAX_GB_ENV}={raw!r}: expected a number of GiB") from None
+        raise UsageError(f"{MAX_GB_ENV}={raw!r}: expected a number of GiB") from None
     return int(gb * 2**30)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from . import admission, cache
 from .files import atomic_write_json
+from .errors import UsageError
 
 MEMORY_SHARE = 0.8
 
@@ -52,11 +53,11 @@ class Limits:
         for spec in specs:
             phase, _, seconds = spec.partition("=")
             if phase not in ("export", "compile", "run"):
-                raise ValueError(f"--time-limit {spec!r}: the phase is export, compile or run")
+                raise UsageError(f"--time-limit {spec!r}: the phase is export, compile or run")
             try:
                 setattr(limits, f"{phase}_s", float(seconds))
             except ValueError:
-                raise ValueError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
+                raise UsageError(f"--time-limit {spec!r}: {seconds!r} is not a number of seconds") from None
         return limits
 
 

@@ -51,6 +51,7 @@ from typing import Annotated, Any, Literal, Union
 from . import cache, jobs, worker
 from .files import atomic_write_bytes, atomic_write_json, content_key
 from .jobs import JobResult, first_error_line, run_job
+from .errors import UsageError
 
 TARGETS_ENV = "KOKORO_PARITY_TARGETS"  # path of the targets file
 FILE_NAME = "targets.yaml"
@@ -64,7 +65,7 @@ TRANSPORT_EXIT = 255  # ssh's own failures; a remote command's status is passed 
 FILE_KINDS = ("artifact", "artifact_entry", "input", "output", "output_dir")
 
 
-class TargetError(ValueError):
+class TargetError(UsageError):
     """A malformed targets file or an unknown target: a usage error, naming the file and field."""
 
 
@@ -447,7 +448,7 @@ class SshTarget(Target):  # ~290 lines: one host's transport (connection, shippi
                 if kind == "output_dir":
                     dirs.append(f"out-{k}-{local.name}")
             else:
-                raise ValueError(f"files[{k!r}]: {kind!r} is not one of {FILE_KINDS}")
+                raise UsageError(f"files[{k!r}]: {kind!r} is not one of {FILE_KINDS}")
         if hkey not in self._known or not set(entries) <= self._known:
             self._prepare(hkey, list(entries))
         job = {"function": function, "kwargs": remote_kwargs, "timeout": timeout, "outputs": sorted(outputs),

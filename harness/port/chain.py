@@ -45,6 +45,7 @@ from ..reference import (CASE_INPUTS, NEUTRAL_PATCHES, REFERENCE_PATCHES, Bounda
                          stage_reference)
 from ..steps import STEPS, get_step
 from ..verdict import Verdict, apply_float16_floor, audio_comparator, band_comparator, comparator
+from ..plumbing.errors import UnknownName, UsageError
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class _Chain:
         try:
             self.user = {name: UserGlue(spec, resolve_glue(spec, self.port.root))
                          for name, spec in self.port.spec.glue.items()}
-        except ValueError as e:
+        except UsageError as e:
             raise PortError(f"field 'glue': {e}") from None
         for i, stage in enumerate(self.port.stages):
             if stage.step is not None and self.steps is None:
@@ -216,7 +217,7 @@ class _Chain:
         if refs:
             try:
                 module_captures(self.session.model, self.case, self.traces, refs)
-            except ValueError as e:
+            except UsageError as e:
                 raise PortError(str(e)) from None
 
     def _run_stage(self, stage, role: str, valid, meta: dict, rec=None):
@@ -286,7 +287,7 @@ class _Chain:
         try:
             own = {ref.tensor: UserGlue(ref.glue, resolve_glue(ref.glue, self.port.root))
                    for ref in stage.inputs.values() if ref.glue is not None}
-        except ValueError as e:
+        except UsageError as e:
             raise PortError(f"stage {stage.name!r}, field 'inputs.*.glue': {e}") from None
         used = set().union(*(glue_used(r.tensor, self.chained, self.user)
                              for r in stage.inputs.values() if r.glue is None))
@@ -542,7 +543,7 @@ class GlueView(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if not tensors.known(name):
-            raise KeyError(f"{name!r} is not a Kokoro tensor (docs/own-port.md)")
+            raise UnknownName(f"{name!r} is not a Kokoro tensor (docs/own-port.md)")
         if name not in self._seen:
             self._seen[name] = self._get(name)
         return self._seen[name]

@@ -29,6 +29,7 @@ from ..backends.coreml import CORE_ML_WORKAROUNDS, CoreMLFp32Backend, _inference
 from ..backends.prebuilt import describe
 from ..patches import apply_patches
 from ..plumbing.files import atomic_write_text
+from ..plumbing.errors import UsageError
 
 # the ONNX export's patches, plus the coreml-* backends' frontend fixes that apply to these stages
 # (ExactSTFT needs no `stft_phase_where`): rsqrt of an int constant
@@ -67,10 +68,10 @@ def precisions_for(split: str, overrides: dict[str, str] | None = None) -> dict[
     chosen = {n: PUBLIC_PRECISIONS.get(split, {}).get(n, "float32") for n in names}
     for stage, precision in (overrides or {}).items():
         if stage not in chosen:
-            raise ValueError(f"--precision {stage}={precision}: no stage {stage!r} in {split}; stages: "
+            raise UsageError(f"--precision {stage}={precision}: no stage {stage!r} in {split}; stages: "
                              f"{', '.join(names)}")
         if precision not in PRECISIONS:
-            raise ValueError(f"--precision {stage}={precision}: one of {', '.join(PRECISIONS)}")
+            raise UsageError(f"--precision {stage}={precision}: one of {', '.join(PRECISIONS)}")
         chosen[stage] = precision
     return chosen
 
@@ -81,7 +82,7 @@ def parse_precisions(texts: list[str] | None, split: str) -> dict[str, str]:
     for text in texts or ():
         stage, sep, precision = text.partition("=")
         if not sep:
-            raise ValueError(f"--precision {text!r}: expected STAGE=float32 or STAGE=float16")
+            raise UsageError(f"--precision {text!r}: expected STAGE=float32 or STAGE=float16")
         overrides[stage] = precision
     return precisions_for(split, overrides)
 
@@ -179,7 +180,7 @@ def workarounds_off(disabled: set[str] | None = None) -> tuple[set[str], tuple[s
     off = set(CORE_ML_WORKAROUNDS) if "all" in off else off
     unknown = sorted(off - set(CORE_ML_WORKAROUNDS))
     if unknown:
-        raise ValueError(f"--no-workaround {', '.join(unknown)}: not a Core ML workaround; known: "
+        raise UsageError(f"--no-workaround {', '.join(unknown)}: not a Core ML workaround; known: "
                          f"{', '.join(sorted(CORE_ML_WORKAROUNDS))}")
     dropped = {CORE_ML_WORKAROUNDS[n].patch for n in off if CORE_ML_WORKAROUNDS[n].patch}
     return off - {n for n in off if CORE_ML_WORKAROUNDS[n].patch}, tuple(p for p in COREML_PATCHES if p not in dropped)

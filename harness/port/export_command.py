@@ -11,6 +11,7 @@ from .splits import CONV_POST, DEFECT_KINDS, HAR, export_split, parse_defect
 from ..reference import module_captures
 from ..runner import Session
 from .coreml_splits import convert_split, parse_precisions, workarounds_off
+from ..plumbing.errors import UsageError
 
 
 def main(split: str, out: Path, argv=None) -> None:
@@ -38,12 +39,12 @@ def main(split: str, out: Path, argv=None) -> None:
     try:
         defect = parse_defect(args.defect, split)
         if (args.precision or args.no_workaround) and args.format != "coreml":
-            raise ValueError("--precision, --no-workaround: only with --format coreml")
+            raise UsageError("--precision, --no-workaround: only with --format coreml")
         if args.format == "coreml":
             precisions = parse_precisions(args.precision, split)
             disabled = set(args.no_workaround) if args.no_workaround else None
             workarounds_off(disabled)  # an unknown name: a usage error before any work
-    except ValueError as e:
+    except UsageError as e:
         p.error(str(e))
     session = Session(weights=args.weights, case_ids=[args.case])
     traces = session.traces(args.case)

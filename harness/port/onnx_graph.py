@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from ..onnx_rebuild import _node_path
+from ..plumbing.errors import UsageError
 
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
@@ -103,7 +104,7 @@ def given_copy(src: Path, dest: Path, tensor: str, dtype) -> tuple[Path, str]:
                 n.input[i] = given
     for o in model.graph.output:
         if o.name == tensor:
-            raise ValueError(f"{tensor!r} is a graph output: feed its value in its place, not into the graph")
+            raise UsageError(f"{tensor!r} is a graph output: feed its value in its place, not into the graph")
     elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     model.graph.input.append(onnx.helper.make_tensor_value_info(given, elem, None))
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ from .matching import by_shape, family, is_int8
 from .noise import stage_noise
 from ..backends.prebuilt import NATIVE, RUNTIMES, describe, kind_of, runtime_problem
 from ..steps import STAGES, STEPS, get_step
+from ..plumbing.errors import UsageError
 
 # What the case gives a port's first stage, and what the host glue derives between stages
 # (the harness's own reference code: steps.build_alignment, the matmuls of run_chain).
@@ -52,7 +53,7 @@ HOST_GLUE = {"pred_dur": ("duration",), "aln": ("pred_dur",), "frame_lengths": (
              "en": ("d", "aln"), "asr": ("t_en", "aln")}
 
 
-class PortError(ValueError):
+class PortError(UsageError):
     """A port file (or an artifact's declared inputs and outputs) that cannot be run."""
 
 
@@ -72,7 +73,7 @@ class TensorRef(BaseModel):
     @classmethod
     def _known(cls, v: str) -> str:
         if not tensors.known(v):
-            raise ValueError(f"unknown Kokoro tensor {v!r}; known: {', '.join(tensors.VOCAB)} or a module "
+            raise UsageError(f"unknown Kokoro tensor {v!r}; known: {', '.join(tensors.VOCAB)} or a module "
                              f"path `module.path:out`")
         return v
 
@@ -174,7 +175,7 @@ class PortSpec(BaseModel):
     def _glue_tensors(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
             if not tensors.known(name):
-                raise ValueError(f"glue for unknown Kokoro tensor {name!r}; known: {', '.join(tensors.VOCAB)}")
+                raise UsageError(f"glue for unknown Kokoro tensor {name!r}; known: {', '.join(tensors.VOCAB)}")
         return v
 
 
@@ -203,7 +204,7 @@ def resolve_glue(spec: str, root: Path | None = None) -> Callable:
     """`package.module:function` -> the function, importable from the environment or from the
     port file's directory; ValueError saying why not."""
     if not GLUE_SPEC.match(spec):
-        raise ValueError(f"{spec!r} is not `package.module:function`")
+        raise UsageError(f"{spec!r} is not `package.module:function`")
     module_name, _, attr = spec.partition(":")
     added = root is not None and str(root) not in sys.path
     if added:
@@ -211,15 +212,15 @@ def resolve_glue(spec: str, root: Path | None = None) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure: one clear error
-        raise ValueError(f"cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+        raise UsageError(f"cannot import {module_name!r} ({type(e).__name__}: {e})") from None
     finally:
         if added:
             sys.path.remove(str(root))
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ValueError(f"module {module_name!r} has no {attr!r}")
+        raise UsageError(f"module {module_name!r} has no {attr!r}")
     if not callable(fn):
-        raise ValueError(f"{spec!r} is a {type(fn).__name__}, not a callable")
+        raise UsageError(f"{spec!r} is a {type(fn).__name__}, not a callable")
     return fn
 
 
@@ -447,7 +448,7 @@ def _check_runtime(port: Port, stage: StageSpec) -> None:
 def _check_glue(port: Port, stage: str | None, field: str, spec: str) -> None:
     try:
         resolve_glue(spec, port.root)
-    except ValueError as e:
+    except UsageError as e:
         raise PortError(f"{_where(port.source, stage, field)}: {e}") from None
 
 

@@ -33,6 +33,7 @@ from ..backends.prebuilt import describe
 from ..model import build_empty_kmodel
 from ..patches import apply_patches, provide_noise
 from ..plumbing.files import atomic_write_text
+from ..plumbing.errors import UsageError
 
 # The patches every exported stage needs: noise as inputs, no dropout, weight_norm folded, the
 # LSTMs unpacked (exact at batch 1 on exact lengths).
@@ -375,7 +376,7 @@ def parse_defect(text: str | None, split: str) -> DefectSpec | None:
     stage, _, what = text.partition("=")
     names = [s.name for s in SPLITS[split]]
     if stage not in names:
-        raise ValueError(f"--defect {text!r}: no stage {stage!r} in {split}; stages: {', '.join(names)}")
+        raise UsageError(f"--defect {text!r}: no stage {stage!r} in {split}; stages: {', '.join(names)}")
     kind, _, value = what.partition(":")
     sdef = next(s for s in SPLITS[split] if s.name == stage)
 
@@ -386,29 +387,29 @@ def parse_defect(text: str | None, split: str) -> DefectSpec | None:
         return DefectSpec(stage, "gain", -1.0)
     if kind == "atan2" and not value:
         if sdef.module not in (Noise, Decoder):
-            raise ValueError(f"--defect {text!r}: stage {stage!r} computes no STFT (atan2 is in "
+            raise UsageError(f"--defect {text!r}: stage {stage!r} computes no STFT (atan2 is in "
                              f"{where(lambda s: s.module in (Noise, Decoder))})")
         return DefectSpec(stage, "atan2")
     if kind == "dropout" and not value:
         if not active_dropouts(_empty_kmodel(), sdef.module.kokoro_modules):
-            raise ValueError(f"--defect {text!r}: stage {stage!r} has no dropout that drops anything (Kokoro's "
+            raise UsageError(f"--defect {text!r}: stage {stage!r} has no dropout that drops anything (Kokoro's "
                              f"nn.Dropout with p > 0 are in {where(lambda s: active_dropouts(_empty_kmodel(), s.module.kokoro_modules))})")
         return DefectSpec(stage, "dropout")
     if kind == "weight_norm" and not value:
         if not weight_normed(_empty_kmodel(), sdef.module.kokoro_modules):
-            raise ValueError(f"--defect {text!r}: stage {stage!r} has no weight_norm-ed convolution (they are in "
+            raise UsageError(f"--defect {text!r}: stage {stage!r} has no weight_norm-ed convolution (they are in "
                              f"{where(lambda s: weight_normed(_empty_kmodel(), s.module.kokoro_modules))})")
         return DefectSpec(stage, "weight_norm")
     if kind == "fp16_inputs" and not value:
         if not any(_is_float_input(n) for n in sdef.inputs):
-            raise ValueError(f"--defect {text!r}: stage {stage!r} has no float input ({', '.join(sdef.inputs)})")
+            raise UsageError(f"--defect {text!r}: stage {stage!r} has no float input ({', '.join(sdef.inputs)})")
         return DefectSpec(stage, "fp16_inputs")
     if kind == "gain":
         try:
             return DefectSpec(stage, "gain", float(value))
         except ValueError:
             pass
-    raise ValueError(f"--defect {text!r}: expected {DEFECT_KINDS}")
+    raise UsageError(f"--defect {text!r}: expected {DEFECT_KINDS}")
 
 
 def _is_float_input(name: str) -> bool:

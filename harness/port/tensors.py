@@ -15,6 +15,7 @@ import torch
 
 from ..steps import STEPS
 from ..model import build_empty_kmodel
+from ..plumbing.errors import UnknownName
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def reference(name: str, traces, dtype: str = "float32") -> torch.Tensor:
     chain = traces.chain
     if MODULE_REF.match(name):
         if (name, dtype) not in traces.captures:
-            raise KeyError(f"no reference for module reference {name!r}: not captured "
+            raise UnknownName(f"no reference for module reference {name!r}: not captured "
                            f"(harness.reference.module_captures)")
         return traces.captures[(name, dtype)]
     if dtype == "float64" and name in ("en", "asr"):  # host glue over float64 outputs: a real floor
@@ -138,7 +139,7 @@ def reference(name: str, traces, dtype: str = "float32") -> torch.Tensor:
     elif name in chain:
         value = chain[name]
     else:
-        raise KeyError(f"no reference for tensor {name!r}")
+        raise UnknownName(f"no reference for tensor {name!r}")
     if dtype == "float64" and name in PRODUCERS:
         step, out = PRODUCERS[name]
         key = (step, "dynamic", "float64")

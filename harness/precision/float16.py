@@ -18,6 +18,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ..plumbing.errors import UnknownName
+
 FLOOR_VERSION = 1  # bump when the float16 eager recipe changes: it invalidates cached float16 floors
 WIDE = (torch.float32, torch.float64)
 PREFIX = "kmodel."  # a step module's paths start with it; keep-lists and audits use the KModel's paths
@@ -174,7 +176,7 @@ class Mixed:
                 self._wrap(sub)
         missing = [k for k in self.keep if k not in found]
         if missing:
-            raise KeyError(f"keep-list: no module {', '.join(missing)} in this step")
+            raise UnknownName(f"keep-list: no module {', '.join(missing)} in this step")
 
     def _wrap(self, sub: torch.nn.Module) -> None:
         forward, mode = sub.forward, self.mode

@@ -14,6 +14,7 @@ import torch.fx
 
 from ..plumbing.files import content_key
 from .float16 import under
+from ..plumbing.errors import UsageError
 
 # Semantics-preserving patches that turn code a module's forward runs inline into submodules, so that a
 # keep-list can name it: the vocoder's STFT (`decoder.generator.stft.analysis`) and iSTFT (`.synthesis`).
@@ -60,7 +61,7 @@ def read_keep_list(path: str | Path | None = None) -> list[str]:
         if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
             raise TypeError("field 'keep_fp32' must be a list of module paths")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"keep-list {path} (${KEEP_ENV}): {type(e).__name__}: {e}") from None
+        raise UsageError(f"keep-list {path} (${KEEP_ENV}): {type(e).__name__}: {e}") from None
     return sorted(set(keep))
 
 
@@ -148,7 +149,7 @@ def keep_float32_graph(gm16, gm32, keep: list[str]):
     absent = not_in_program(gm16.graph, keep)
     made = sorted(k for k in absent if any(under(k, mods) for mods in ISLAND_MODULES.values()))
     if made:
-        raise ValueError(f"keep-list: no node of {', '.join(made)} in the program; a module made by a patch "
+        raise UsageError(f"keep-list: no node of {', '.join(made)} in the program; a module made by a patch "
                          f"needs the program exported with it (--with-patch {' --with-patch '.join(ISLAND_PATCHES)})")
 
     def kept_node(n) -> bool:

@@ -33,6 +33,7 @@ from ..steps import get_step
 from ..verdict import shippable
 from .float16 import Mixed, _kmodel_path, _strip, under
 from .islands import ISLAND_PATCHES, KEEP_SCHEMA, island_nodes, node_module_path, op_selector_for, patches_for
+from ..plumbing.errors import UsageError
 
 # ---- the per-module audit -------------------------------------------------------------------------
 
@@ -185,7 +186,7 @@ def targets_for(model, case_ids: list[str] | None, step: str, mode: str = "dynam
     `fp16` backend's programs and ISLAND_PATCHES (bit-exact; they make code that a module runs as
     methods keepable)."""
     if step == "e2e" and mode != "dynamic":
-        raise ValueError("--step e2e: dynamic mode only (the e2e item's static buckets pad the synthesizer, a "
+        raise UsageError("--step e2e: dynamic mode only (the e2e item's static buckets pad the synthesizer, a "
                          "rewrite of its own; search the static decoder with --step decoder --mode static)")
     steps = E2E_STAGES if step == "e2e" else (step,)
     patches = tuple((*Fp16Backend.patches, *ISLAND_PATCHES) if patches is None else patches)
@@ -271,7 +272,7 @@ def evaluate(target: Target, keep: Iterable[str], tol, emulate: bool = True) -> 
         rr = lambda x: torch.round(x).clamp(min=1)  # noqa: E731
         bad += float((rr(o) != rr(r.double())).sum())
     if ok is None:  # no audio, no duration: not a search this tool can do
-        raise ValueError(f"step {target.step.name!r} has no audio or duration output: nothing to judge as shippable "
+        raise UsageError(f"step {target.step.name!r} has no audio or duration output: nothing to judge as shippable "
                          f"(use decoder, generator or duration)")
     if target.upstream is not None:
         why += f"; fed {fed}"

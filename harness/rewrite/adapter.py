@@ -23,8 +23,10 @@ from typing import Any, Iterator
 
 import torch
 
+from ..plumbing.errors import UsageError
 
-class RewriteError(ValueError):
+
+class RewriteError(UsageError):
     """A rewrite adapter that cannot be used: one message naming the file and the field."""
 
 

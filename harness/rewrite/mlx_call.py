@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ..plumbing.errors import UsageError
+
 try:  # optional runtime: mlx-audio (the `mlx` extra); the adapter checks it before calling here
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -57,7 +59,7 @@ def call(module, path: str, convention: str, args: list, kwargs: dict) -> np.nda
     elif convention in ("weighted_conv", "weighted_conv_transpose"):
         out = module(a[0].swapaxes(2, 1), mx.conv1d if convention == "weighted_conv" else mx.conv_transpose1d)
     else:
-        raise ValueError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
+        raise UsageError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
     return kokoro_layout(out, convention)
 
 

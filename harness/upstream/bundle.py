@@ -25,6 +25,7 @@ from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write_text
 from ..repro import _cpu
 from .catalog import BY_NAME, DEFECTS, SEARCHED, Defect
+from ..plumbing.errors import UsageError
 
 REPRODUCED, FIXED, CANNOT_RUN, CHANGED = 1, 0, 2, 3
 STATUS = {REPRODUCED: "reproduces", FIXED: "fixed", CANNOT_RUN: "cannot run here", CHANGED: "changed"}
@@ -271,7 +272,7 @@ def main(out: Path | None = None, only: list[str] | None = None, check_only: boo
     out = Path(out or default_dir())
     unknown = [n for n in only or [] if n not in BY_NAME]
     if unknown:
-        raise ValueError(f"unknown defect(s) {unknown}; known: {', '.join(BY_NAME)}")
+        raise UsageError(f"unknown defect(s) {unknown}; known: {', '.join(BY_NAME)}")
     chosen = [d for d in DEFECTS if not only or d.name in only]
     rows = []
     for d in chosen:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .checks import CHECKS, HELPERS
 from .programs import PROGRAMS
+from ..plumbing.errors import UsageError
 
 CATALOG = Path(__file__).with_name("catalog.yaml")
 
@@ -88,7 +89,7 @@ def load_catalog(path: Path = CATALOG) -> tuple[str, list[Defect]]:
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"{path}: defect {name}: field {where}: {first['msg']}") from None
+            raise UsageError(f"{path}: defect {name}: field {where}: {first['msg']}") from None
         check, needs = CHECKS[e.check]
         defects.append(Defect(
             e.name, e.title, e.runtime, e.module, e.kind, e.signature, PROGRAMS[e.program], check,
@@ -97,7 +98,7 @@ def load_catalog(path: Path = CATALOG) -> tuple[str, list[Defect]]:
             e.onnx, e.expected, e.detail, e.searched or searched))
     names = [d.name for d in defects]
     if len(set(names)) != len(names):
-        raise ValueError(f"{path}: defect names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+        raise UsageError(f"{path}: defect names repeat: {sorted({n for n in names if names.count(n) > 1})}")
     return searched, defects
 
 

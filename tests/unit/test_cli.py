@@ -166,3 +166,26 @@ def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "kokoro-parity: running tiny-decoder-eager-dynamic ..." in err, err
     assert "kokoro-parity: running tiny-decoder-eager-dynamic: done in" in err, err
+
+
+def test_bad_input_is_one_line_and_a_harness_defect_keeps_its_traceback(monkeypatch, capsys):
+    """What the user gave (a UsageError: an unknown step, a bad field) is one `error:` line and exit
+    2; a ValueError or KeyError from inside the harness is a bug, not bad input: it propagates
+    with its traceback instead of reading as the user's mistake."""
+    from harness import commands
+    from harness.plumbing.errors import UnknownName
+    from harness.steps import get_step
+
+    with pytest.raises(UnknownName) as bad:
+        get_step("decodr")
+    assert isinstance(bad.value, KeyError) and str(bad.value).startswith("unknown step 'decodr'")  # no KeyError quotes
+
+    monkeypatch.setattr(commands, "dispatch", lambda args: get_step("decodr"))
+    assert main(["weights"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"kokoro-parity: error: {bad.value}"]
+    for internal in (ValueError("shape mismatch inside the harness"), KeyError("internal")):
+        def boom(args, e=internal):
+            raise e
+        monkeypatch.setattr(commands, "dispatch", boom)
+        with pytest.raises(type(internal)):
+            main(["weights"])
