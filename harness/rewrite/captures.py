@@ -26,6 +26,7 @@ from ..patches import NOISE_INPUTS, apply_patches, provide_noise, to_float64
 from ..plumbing.hooks import registered
 from ..reference import MODULE_STEPS, REFERENCE_PATCHES, step_of_module
 from ..steps import STEPS, get_step
+from ..plumbing.errors import UsageError
 
 
 @dataclass
@@ -62,18 +63,27 @@ def reference_models(kmodel: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return km32, to_float64(copy.deepcopy(km32))
 
 
+# Steps that run only part of the module their prefix in MODULE_STEPS names: `f0n` runs the
+# predictor's shared LSTM, F0 and N blocks and projections, never its duration path.
+PARTIAL_STEPS = frozenset({"f0n"})
+
+
 def steps_for(paths: list[str]) -> dict[str, str]:
-    """The step each module is captured in: the outermost step that reaches it among those the
+    """The step each module is captured in: the outermost step that runs it among those the
     modules need, so that a module and its parent come from one run (the decoder's modules and
-    the generator's inside it: the generator ends before the decoder)."""
+    the generator's inside it: the generator ends before the decoder). An outer step counts only
+    where it runs its prefix's module whole: `predictor.lstm` stays in `duration`, though `f0n`'s
+    prefix is `predictor`."""
     primary = {}
     for path in paths:
         primary[path] = step_of_module(path)
         if primary[path] is None:
-            raise ValueError(f"module {path!r}: no step of the harness runs it")
+            raise UsageError(f"module {path!r}: no step of the harness runs it")
     needed = set(primary.values())
+
     def reaching(path: str) -> list[str]:  # innermost first, as MODULE_STEPS lists them
-        return [s for prefix, s in MODULE_STEPS if path == prefix or path.startswith(prefix + ".")]
+        return [s for prefix, s in MODULE_STEPS if (path == prefix or path.startswith(prefix + "."))
+                and (s == primary[path] or s not in PARTIAL_STEPS)]
     return {path: [s for s in reaching(path) if s in needed][-1] for path in paths}
 
 
@@ -123,6 +133,9 @@ def module_io(km32, km64, traces, paths: list[str], consume: Callable[[ModuleIO]
 
         with registered(h for p in by_step[step] for h in hooks(p, km64.get_submodule(p))), torch.no_grad():
             get_step(step).module(km64)(*inputs.values())
+        never = [p for p in by_step[step] if p not in done]
+        if never:  # a mapped module with no row would be a module never judged, and nobody told
+            raise RuntimeError(f"step {step!r} never ran mapped module(s) {', '.join(never)} (captures.steps_for)")
     return peak
 
 
