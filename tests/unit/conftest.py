@@ -14,9 +14,17 @@ from pathlib import Path
 # path (before torch's first FFT; child processes inherit it). Finding 12, docs/findings.md.
 os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")  # torch's own kernels too (read at its first dispatch)
+# One torch thread per process: the suite runs two xdist workers on two cores, each with job
+# children, and a pool of one thread per core in every process oversubscribes them (a float64
+# decoder forward pass in two processes at once: 104 s with two threads each, 41 s with one;
+# `python benchmarks/threads.py`, docs/performance.md). Children inherit the variables.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the plugin may have imported torch first
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
