@@ -112,11 +112,10 @@ def test_face_parity_backend_step_and_artifact_with_bisect(tmp_path):
     via_pytest = subprocess.run([sys.executable, "-m", "pytest", "tests", "-p", "no:cacheprovider", *common,
                                  "-k", "f0n and not golden", f"--report-dir={tmp_path / 'a'}"],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=1800, env=env)
-    with pytest.MonkeyPatch.context() as mp:  # the CLI's face in this process: a child would pay its imports
-        mp.chdir(tmp_path)
-        mp.setenv(CACHE_ENV, str(tmp_path / "cache"))
-        via_cli = cli.main(["run", *common, "--step=f0n", f"--report-dir={tmp_path / 'b'}"])
-    assert via_pytest.returncode == 1 and via_cli == 1, via_pytest.stdout[-3000:]
+    via_cli = subprocess.run([sys.executable, "-m", "harness.cli", "run", *common, "--step=f0n",
+                              f"--report-dir={tmp_path / 'b'}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=1800, env=env)
+    assert via_pytest.returncode == 1 and via_cli.returncode == 1, via_pytest.stdout[-3000:] + via_cli.stdout[-3000:]
 
     def records(d):
         return {p.name: json.loads(p.read_text()) for p in (tmp_path / d / "records").glob("*.json")}
