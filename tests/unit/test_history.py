@@ -228,22 +228,20 @@ def test_make_nightly_twice_gives_two_entries_and_a_dashboard_with_both(tmp_path
     what is checked is the nightly's entries and dashboard, not the weights): two nightly runs in a
     row write two history entries, find no regression between them, and the dashboard shows both
     runs and a two-point trend for the item."""
-    import subprocess
-    import sys
-
+    from harness import cli
     from harness.cases import write_case
-    from tests.unit.conftest import child_pytest_env, shared_references
+    from tests.unit.conftest import shared_references
 
-    root = Path(__file__).resolve().parents[2]
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     cache = shared_references(tmp_path / "cache", work=True)  # bert_encoder's program: as test_merge's
-    env = child_pytest_env(KOKORO_PARITY_CASES=str(tmp_path / "cases"), KOKORO_PARITY_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "harness.cli", "nightly", "--weights", "random:0", "--backend", "eager",
-           "--step", "bert_encoder", "--case", "tiny", "--mode", "dynamic", "--report-dir", str(tmp_path / "reports"),
-           "--dashboard", str(tmp_path / "dashboard"), "--no-upstream"]  # the bundles: tests/unit/test_upstream.py
-    for _ in range(2):
-        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800, env=env)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    argv = ["nightly", "--weights", "random:0", "--backend", "eager", "--step", "bert_encoder", "--case", "tiny",
+            "--mode", "dynamic", "--report-dir", str(tmp_path / "reports"), "--dashboard", str(tmp_path / "dashboard"),
+            "--no-upstream"]  # the bundles: tests/unit/test_upstream.py
+    with pytest.MonkeyPatch.context() as mp:  # the CLI's command in this process: a child would pay its imports
+        mp.setenv("KOKORO_PARITY_CASES", str(tmp_path / "cases"))
+        mp.setenv("KOKORO_PARITY_CACHE", str(cache))
+        for _ in range(2):
+            assert cli.main(argv) == 0
     history = load_history(tmp_path / "reports" / "history")
     assert len(history.runs) == 2 and all(run.complete for run in history.runs)
     assert [len(run.records) for run in history.runs] == [1, 1]

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +180,7 @@ def test_merged_shards_of_real_runs_give_a_complete_dashboard(tmp_path, monkeypa
     """~5 min on 2 shared cores: shard 1 runs two audio items (generator, e2e) on eager, shard 2 a faulty backend's
     failing item and its bisection (repro bundle), each with the seeded random model and the tiny
     case; merged with the CLI, the entry from `nightly --from-records` and the dashboard."""
+    from harness import cli
     from harness.bisect import bisect_item
     from harness.cases import load_cases, write_case
     from harness.report import item_table, summary_table
@@ -221,14 +220,10 @@ def test_merged_shards_of_real_runs_give_a_complete_dashboard(tmp_path, monkeypa
     bisect_item(two, item, failing, depth=0, verify=False)
     assert failing.bisect["status"] == "localized" and Path(failing.bisect["repro"]["path"]).is_dir()
 
-    out = tmp_path / "merged"
-    cli = subprocess.run([sys.executable, "-m", "harness.cli", "merge", str(one.report_dir), str(two.report_dir),
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True)
-    assert cli.returncode == 0, cli.stderr
-    cli = subprocess.run([sys.executable, "-m", "harness.cli", "nightly", "--from-records", str(out / "records"),
-                          f"--report-dir={out}", "--dashboard", str(out / "dashboard")], cwd=REPO,
-                         capture_output=True, text=True)
-    assert cli.returncode == 0, cli.stdout + cli.stderr
+    out = tmp_path / "merged"  # the CLI's commands, in this process (a child would only pay its imports again)
+    assert cli.main(["merge", str(one.report_dir), str(two.report_dir), "--out", str(out)]) == 0
+    assert cli.main(["nightly", "--from-records", str(out / "records"), f"--report-dir={out}",
+                     "--dashboard", str(out / "dashboard")]) == 0
     entry = read_run(next((out / "history").glob("*.json")))
     runs = one.counts["runs"] + sum(k.endswith("run_job_s") for k in failing.timings)
     assert entry.counts["runs"] == runs >= 4  # generator 1, e2e 3 (duration stage, synthesizer local and chained), the failing item 1

@@ -2,10 +2,6 @@
 devtools' Inspector, split into the delegate's work and the portable kernels'."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,7 +10,6 @@ from harness.plumbing.jobs import run_job
 from tests.unit.conftest import shared_references
 
 pytest.importorskip("executorch")
-REPO = Path(__file__).resolve().parents[2]
 
 
 class ConvNorm(torch.nn.Module):
@@ -62,7 +57,8 @@ def test_etdump_splits_delegated_and_portable_time(small_pte, tmp_path):
     assert [r["ms"] for r in table["rows"]] == sorted((r["ms"] for r in table["rows"]), reverse=True)
 
 
-def test_profile_refuses_what_it_cannot_profile(tmp_path):
+def test_profile_refuses_what_it_cannot_profile(tmp_path, capsys):
+    from harness import cli
     from harness.profile import profile_item
     from harness.runner import Item, Session
 
@@ -71,9 +67,9 @@ def test_profile_refuses_what_it_cannot_profile(tmp_path):
         profile_item(session, Item("en_short", "decoder", "onnxruntime", "static"))
     with pytest.raises(ValueError, match="two programs"):
         profile_item(session, Item("en_short", "e2e", "xnnpack", "static"))
-    cli = subprocess.run([sys.executable, "-m", "harness.cli", "profile", "--case", "en_short", "--step", "decoder",
-                          "--backend", "eager", f"--report-dir={tmp_path}"], cwd=REPO, capture_output=True, text=True)
-    assert cli.returncode == 2 and "ETDump profiles ExecuTorch programs" in cli.stderr
+    code = cli.main(["profile", "--case", "en_short", "--step", "decoder", "--backend", "eager",
+                     f"--report-dir={tmp_path}"])  # the CLI's command, in this process
+    assert code == 2 and "ETDump profiles ExecuTorch programs" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import cli
 from tests.unit.conftest import child_pytest_env, shared_references
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,6 @@ def test_shards_and_workers_match_the_plain_run(tmp_path):
     one, _ = pytest_run(tmp_path, "one", cache, "--shard", "1/2")
     two, _ = pytest_run(tmp_path, "two", cache, "--shard", "2/2")
     assert verdicts(one) and verdicts(two) and not set(verdicts(one)) & set(verdicts(two))
-    merged = tmp_path / "merged"
-    subprocess.run([sys.executable, "-m", "harness.cli", "merge", str(one), str(two), "--out", str(merged)],
-                   cwd=ROOT, check=True, capture_output=True)
+    merged = tmp_path / "merged"  # the CLI's merge, in this process (a child would only pay its imports again)
+    assert cli.main(["merge", str(one), str(two), "--out", str(merged)]) == 0
     assert verdicts(merged) == verdicts(plain)
