@@ -143,7 +143,7 @@ def capture_outputs(module, inputs) -> dict:
 
 # ---- fast: the pieces ------------------------------------------------------------------------
 
-def test_modules_are_carved_at_their_boundaries(programs, random_model):
+def test_modules_are_carved_at_their_boundaries(programs, random_model, monkeypatch):
     """A module carved from the graph and fed its captured inputs computes what its forward hook saw."""
     from harness.patches import apply_patches
     from harness.steps import get_step
@@ -151,6 +151,7 @@ def test_modules_are_carved_at_their_boundaries(programs, random_model):
     km = apply_patches(random_model.kmodel, EagerBackend.patches)
     for step in ("duration_encoder", "decoder"):
         program, inputs = programs[step]
+        monkeypatch.setattr("harness.bisect.StepGraph", lambda path, values, inputs=inputs: step_graph(path, inputs))
         seen = capture_outputs(get_step(step).module(km), inputs)
         b = Bisector(program, "k", inputs, "eager", Tolerance(), step, Path("unused"), "unused", depth=2)
         mods = b.modules()
@@ -168,7 +169,7 @@ def test_float64_interpreter_is_the_float64_model(programs, random_model):
     from harness.steps import get_step
 
     program, inputs = programs["duration_encoder"]
-    graph = StepGraph(program, inputs)
+    graph = step_graph(program, inputs)
     gm, names = graph.carve(graph.outputs)
     ours = evaluate(gm, [graph.inputs[n] for n in names], "float64")[0]
     km64 = to_float64(apply_patches(random_model.kmodel, EagerBackend.patches))
@@ -180,7 +181,7 @@ def test_float64_interpreter_is_the_float64_model(programs, random_model):
 
 def test_injected_fault_changes_its_node_only(programs):
     program_path, inputs = programs["duration_encoder"]
-    graph = StepGraph(program_path, inputs)
+    graph = step_graph(program_path, inputs)
     node = pick(program_path, inputs, "predictor.text_encoder.lstms.3", "aten.add.Tensor", last=True)
     program = torch.export.load(str(program_path))
     clean = program.module()(*inputs)
