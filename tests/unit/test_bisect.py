@@ -355,8 +355,9 @@ def test_fault_on_a_compiling_backend_is_named(programs, env, tmp_path, base):
     if not get_backend(base).available()[0]:
         pytest.skip(f"{base} is not installed: {get_backend(base).available()[1]}")
     program_path, inputs = programs["duration_encoder"]
-    env.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, inputs))
-    b = Bisector(program_path, "k", inputs, "eager", Tolerance(), "duration_encoder", tmp_path, "k", depth=1)
+    with pytest.MonkeyPatch.context() as mp:  # the step's shared graph; the carved program's its own
+        mp.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, inputs))
+        b = Bisector(program_path, "k", inputs, "eager", Tolerance(), "duration_encoder", tmp_path, "k", depth=1)
     module = next(m for m in b.modules() if m["path"].endswith("lstms.3"))
     gm, names = b.graph.carve(module["outputs"], module["stop"])
     values = b.graph.values32(names)
