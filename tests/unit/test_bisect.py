@@ -59,10 +59,34 @@ def programs(tmp_path_factory, random_model):
     return out
 
 
+@pytest.fixture(scope="module")
+def probe_exports(tmp_path_factory):
+    """The module's exported probe subprograms (cache kind `bisect`, keyed by the program's key, the
+    probe's outputs and inputs): every test bisects the same few programs, and an export is the same
+    whatever backend or fault compiles it. Artifacts stay each test's own (their key holds the fault,
+    and the tests count compiles)."""
+    return tmp_path_factory.mktemp("bisect-probes")
+
+
+_GRAPHS: dict = {}
+
+
+def step_graph(program_path, inputs):
+    """One StepGraph per program file of this module, so its load and its per-node fp32/fp64
+    references (deterministic: the same ops on the same inputs) are computed once, not per test."""
+    key = str(program_path)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = StepGraph(program_path, inputs)
+    return _GRAPHS[key]
+
+
 @pytest.fixture
-def env(monkeypatch, tmp_path):
-    """A fresh cache, the test backends registered, the repository importable by the job children."""
+def env(monkeypatch, tmp_path, probe_exports):
+    """A fresh cache (sharing the module's probe exports), the test backends registered, the
+    repository importable by the job children."""
     monkeypatch.setenv("KOKORO_PARITY_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "bisect").symlink_to(probe_exports, target_is_directory=True)
     monkeypatch.setenv(EXTRA_ENV, FAULTY)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.delenv(FAULT_ENV, raising=False)
@@ -71,16 +95,19 @@ def env(monkeypatch, tmp_path):
 
 def pick(program_path, inputs, module: str, op: str, last: bool = False) -> str:
     """The name of the first (or last) node of `op` whose module path is `module`."""
-    graph = StepGraph(program_path, inputs)
+    graph = step_graph(program_path, inputs)
     names = [n.name for n in graph.nodes if n.op == "call_function" and str(n.target) == op and module_path(n) == module]
     assert names, f"no {op} in {module}"
     return names[-1 if last else 0]
 
 
-def bisect(env, programs, step, backend, tmp_path, depth=0, fault=None, verify=False, band_from=None):
+def bisect(env, programs, step, backend, tmp_path, depth=0, fault=None, verify=False, band_from=None, fresh=False):
+    """Bisect the module's program of `step`; its StepGraph is the module's shared one unless `fresh`."""
     program, inputs = programs[step]
     if fault:
         env.setenv(FAULT_ENV, fault)
+    if not fresh:
+        env.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, inputs))
     b = Bisector(program, f"test-{step}", inputs, backend, Tolerance(), step, tmp_path / "reports",
                  f"t-{step}-{backend}", depth=depth, band_from=band_from)
     result = b.run(verify=verify)
@@ -116,7 +143,7 @@ def capture_outputs(module, inputs) -> dict:
 
 # ---- fast: the pieces ------------------------------------------------------------------------
 
-def test_modules_are_carved_at_their_boundaries(programs, random_model):
+def test_modules_are_carved_at_their_boundaries(programs, random_model, monkeypatch):
     """A module carved from the graph and fed its captured inputs computes what its forward hook saw."""
     from harness.patches import apply_patches
     from harness.steps import get_step
@@ -124,6 +151,7 @@ def test_modules_are_carved_at_their_boundaries(programs, random_model):
     km = apply_patches(random_model.kmodel, EagerBackend.patches)
     for step in ("duration_encoder", "decoder"):
         program, inputs = programs[step]
+        monkeypatch.setattr("harness.bisect.StepGraph", lambda path, values, inputs=inputs: step_graph(path, inputs))
         seen = capture_outputs(get_step(step).module(km), inputs)
         b = Bisector(program, "k", inputs, "eager", Tolerance(), step, Path("unused"), "unused", depth=2)
         mods = b.modules()
@@ -141,7 +169,7 @@ def test_float64_interpreter_is_the_float64_model(programs, random_model):
     from harness.steps import get_step
 
     program, inputs = programs["duration_encoder"]
-    graph = StepGraph(program, inputs)
+    graph = step_graph(program, inputs)
     gm, names = graph.carve(graph.outputs)
     ours = evaluate(gm, [graph.inputs[n] for n in names], "float64")[0]
     km64 = to_float64(apply_patches(random_model.kmodel, EagerBackend.patches))
@@ -153,7 +181,7 @@ def test_float64_interpreter_is_the_float64_model(programs, random_model):
 
 def test_injected_fault_changes_its_node_only(programs):
     program_path, inputs = programs["duration_encoder"]
-    graph = StepGraph(program_path, inputs)
+    graph = step_graph(program_path, inputs)
     node = pick(program_path, inputs, "predictor.text_encoder.lstms.3", "aten.add.Tensor", last=True)
     program = torch.export.load(str(program_path))
     clean = program.module()(*inputs)
@@ -196,7 +224,7 @@ def test_clean_backend_localizes_nothing(programs, env, tmp_path):
 
     lines: list[str] = []
     with progress.displayed(progress.PlainLines(lines.append)):  # a bisection says what it does
-        result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth=1)
+        result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth=1, fresh=True)
     assert any("bisecting (module probe 1: " in line and "done in" in line for line in lines), lines
     assert any("bisecting (references of " in line for line in lines), lines
     assert result["status"] == "not_localized"
@@ -218,7 +246,7 @@ def test_fault_in_duration_encoder_is_named(programs, env, tmp_path, module, op,
     node = pick(*programs["duration_encoder"], module, op, last=which == "last")
     target = node if op != "aten.lstm.input" else None
     if target is None:  # the LSTM's output is its first getitem
-        graph = StepGraph(*programs["duration_encoder"])
+        graph = step_graph(*programs["duration_encoder"])
         target = next(u.name for u in graph.node[node].users if u.args[1] == 0)
     result = bisect(env, programs, "duration_encoder", "faulty-eager", tmp_path, depth, f"node={target},kind={kind}")
     assert_named(result, target, module)
@@ -327,7 +355,9 @@ def test_fault_on_a_compiling_backend_is_named(programs, env, tmp_path, base):
     if not get_backend(base).available()[0]:
         pytest.skip(f"{base} is not installed: {get_backend(base).available()[1]}")
     program_path, inputs = programs["duration_encoder"]
-    b = Bisector(program_path, "k", inputs, "eager", Tolerance(), "duration_encoder", tmp_path, "k", depth=1)
+    with pytest.MonkeyPatch.context() as mp:  # the step's shared graph; the carved program's its own
+        mp.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, inputs))
+        b = Bisector(program_path, "k", inputs, "eager", Tolerance(), "duration_encoder", tmp_path, "k", depth=1)
     module = next(m for m in b.modules() if m["path"].endswith("lstms.3"))
     gm, names = b.graph.carve(module["outputs"], module["stop"])
     values = b.graph.values32(names)
