@@ -204,7 +204,8 @@ def test_merged_shards_of_real_runs_give_a_complete_dashboard(tmp_path, monkeypa
     for rec in audio:
         assert rec.verdict.value == "pass", item_table(rec)
         assert rec.real_time["rtf"] == pytest.approx(rec.real_time["run_s"] / rec.real_time["audio_s"])
-        assert rec.real_time["audio_s"] > 0.1 and 0 < rec.real_time["run_s"] < 60
+        jobs = sum(v for k, v in rec.timings.items() if k.endswith("run_job_s"))  # the runs' child processes
+        assert rec.real_time["audio_s"] > 0.1 and 0 < rec.real_time["run_s"] <= jobs, rec.timings
         assert "real-time factor" in item_table(rec)
     assert audio[0].real_time["run_s"] == audio[0].timings["run_s"]
     e2e = audio[1]
