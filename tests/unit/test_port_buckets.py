@@ -43,10 +43,40 @@ def tiny(tmp_path_factory):
 def _export(session, out: Path, defect=None, only=None) -> Path:
     from harness.reference import module_captures
 
+    if defect is None and only is None:
+        return clean_split(session, "kokoro-3stage", out)
     traces = session.traces("tiny")
     module_captures(session.model, session.cases["tiny"], traces, (splits.HAR, splits.CONV_POST))
     return splits.export_split("kokoro-3stage", session.model, traces, out,
                                splits.parse_defect(defect, "kokoro-3stage"), log=lambda line: None, only=only)
+
+
+def clean_split(session, split: str, out: Path, case_id: str = "tiny") -> Path:
+    """`split` exported clean from the session's model on `case_id` into `out` (its port file
+    returned): exported once per test run, beside the run's shared references (keyed by the model,
+    the case and the split; file-locked), and copied here; the tests of this file and of
+    test_port_examples judge the same clean chain."""
+    import hashlib
+    import os
+
+    from harness.plumbing.cache import lock
+    from harness.reference import module_captures
+    from tests.unit.conftest import REFERENCES_ENV
+
+    shared = os.environ.get(REFERENCES_ENV)
+    traces = session.traces(case_id)
+    module_captures(session.model, session.cases[case_id], traces, (splits.HAR, splits.CONV_POST))
+    if not shared:
+        return splits.export_split(split, session.model, traces, out, None, log=lambda line: None)
+    key = hashlib.sha256(repr((split, session.model.name, session.cases[case_id])).encode()).hexdigest()[:16]
+    done = Path(shared) / "splits" / key
+    with lock(done):
+        if not (done / ".complete").exists():
+            shutil.rmtree(done, ignore_errors=True)
+            splits.export_split(split, session.model, traces, done, None, log=lambda line: None)
+            (done / ".complete").write_text("ok\n")
+    shutil.copytree(done, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete"))
+    return out / "port.yaml"
 
 
 def _prosody(port: Path, extra: str) -> Path:

@@ -238,8 +238,11 @@ def test_module_captures_are_taken_before_generator_mutates_them(tiny):
 
 @pytest.fixture(scope="module")
 def three(tiny, tmp_path_factory):
-    """The 3-stage split of the tiny case, exported once for the module: its port file."""
-    return _export(tiny, "kokoro-3stage", tmp_path_factory.mktemp("three"))
+    """The 3-stage split of the tiny case, exported once for the test run (test_port_buckets judges
+    the same clean chain): its port file."""
+    from tests.unit.test_port_buckets import clean_split
+
+    return clean_split(tiny, "kokoro-3stage", tmp_path_factory.mktemp("three"))
 
 
 def _on_tiny(session) -> list[str]:

@@ -3,6 +3,8 @@ saved at export, the module whose output is wrong is named through ExecuTorch's 
 outputs) and the ETRecord's debug handles; without one, the item is judged whole and says why."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,14 +123,28 @@ def _export_with_a_sign_flip(session, out_dir, module_path: str):
     return out_dir / "enc.pte", out_dir / "enc.etrecord.bin"
 
 
+@pytest.fixture(scope="module")
+def flipped(tiny_session, tmp_path_factory):
+    """`text_encoder.cnn.1` sign-flipped, exported and lowered once for the module (the tests below
+    judge the same program): the .pte and its ETRecord."""
+    return _export_with_a_sign_flip(tiny_session, tmp_path_factory.mktemp("flipped"), "text_encoder.cnn.1")
+
+
+def _copied(files, out_dir):
+    """The module's exported files, copied into a test's own directory (nothing else beside them)."""
+    import shutil
+
+    return tuple(Path(shutil.copy(f, out_dir / f.name)) for f in files)
+
+
 @pytest.mark.slow
-def test_a_sign_flip_in_one_module_is_named_through_the_etrecord(tiny_session, tmp_path):
+def test_a_sign_flip_in_one_module_is_named_through_the_etrecord(tiny_session, flipped, tmp_path):
     from harness.artifacts import ArtifactItem, check_artifact
     from harness.port.pte_stages import localize_pte
     from harness.record import read_records
     from harness.verdict import Verdict
 
-    pte, etrecord = _export_with_a_sign_flip(tiny_session, tmp_path, "text_encoder.cnn.1")
+    pte, etrecord = _copied(flipped, tmp_path)
     item = ArtifactItem("tiny", "text_encoder", str(pte), "dynamic")
     rec = check_artifact(tiny_session, item)
     assert rec.verdict is Verdict.FAIL, rec.reason
@@ -150,7 +166,7 @@ def test_a_sign_flip_in_one_module_is_named_through_the_etrecord(tiny_session, t
 
 
 @pytest.mark.slow
-def test_bisect_localizes_inside_a_pte_stage_of_a_chain_through_its_etrecord(tiny_session, tmp_path):
+def test_bisect_localizes_inside_a_pte_stage_of_a_chain_through_its_etrecord(tiny_session, flipped, tmp_path):
     """A chain whose first stage is the sign-flipped text encoder `.pte` with its ETRecord (the
     port file's `etrecord:`), then a harness step: `--bisect` runs the .pte stage with ETDump fed the
     reference's inputs, finds the Kokoro module it computes from the ETRecord's module stacks, and
@@ -161,7 +177,7 @@ def test_bisect_localizes_inside_a_pte_stage_of_a_chain_through_its_etrecord(tin
     from harness.record import Record
     from harness.verdict import Verdict
 
-    pte, etrecord = _export_with_a_sign_flip(tiny_session, tmp_path, "text_encoder.cnn.1")
+    pte, etrecord = _copied(flipped, tmp_path)
     port = tmp_path / "port.yaml"
     port.write_text(PTE_CHAIN.format(etrecord=f"etrecord: {etrecord.name}"))
     (item,) = port_items(tiny_session, [str(port)])
