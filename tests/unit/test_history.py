@@ -192,7 +192,7 @@ def test_a_run_that_stops_half_way_leaves_a_valid_incomplete_entry(tmp_path: Pat
     assert h.problems == [] and len(h.runs) == 1
     run = h.runs[0]
     assert not run.complete and run.records == []
-    assert "stopped after 0 of 1 items: KeyError" in run.error
+    assert "stopped after 0 of 1 items: UnknownName: unknown backend 'no_such_backend'" in run.error
 
 
 def test_history_of_an_empty_or_missing_directory(tmp_path: Path):
