@@ -192,16 +192,18 @@ def _chain_traces(model: LoadedModel, case: Case, synthesize: bool = True) -> Ca
     return CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
 
 
-def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step]) -> dict:
-    """The steps' references in both modes and dtypes, each forced from the chain's inputs. Its
-    progress: one phase per mode and dtype over many steps, one phase naming the step when it is
-    one (a step's references computed on first read: the lines say which step, and each step's
-    time is remembered under its own name)."""
+def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step],
+                     modes: tuple[str, ...] = MODES) -> dict:
+    """The steps' references in `modes` and both dtypes, each forced from the chain's inputs. Its
+    progress: one phase per mode and dtype over many steps, one phase naming the step (and its
+    mode, when one) when it is one (a step's references computed on first read: the lines say
+    which, and each one's time is remembered under its own name)."""
     io = {}
     one = steps[0].name if len(steps) == 1 else None
-    whole = progress.phase("references", subject=f"{traces.case_id} {one}") if one else contextlib.nullcontext()
+    subject = f"{traces.case_id} {one}" + (f" {modes[0]}" if len(modes) == 1 else "")
+    whole = progress.phase("references", subject=subject) if one else contextlib.nullcontext()
     with whole as one_phase:
-        for mode in MODES:
+        for mode in modes:
             km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
             km64 = to_float64(copy.deepcopy(km32))
             for dtype, km in (("float32", km32), ("float64", km64)):
@@ -220,11 +222,11 @@ def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step]) 
 
 
 class StepReferences(dict):
-    """`CaseTraces.io` of a cached case: each step's references computed (or read from the cache)
-    the first time an item asks for them; a read of a value already here does no work and shows
-    no progress. A run of one small step no longer computes the float64
-    vocoder of both modes first (most of a first run's reference time: the first verdict waited on
-    references it never read), and a case's long static bucket is run only for the steps that need it."""
+    """`CaseTraces.io` of a cached case: each step's references in one mode computed (or read from
+    the cache) the first time an item asks for them; a read of a value already here does no work
+    and shows no progress. A run of one small step does not compute the float64 vocoder first
+    (most of a first run's reference time: the first verdict waited on references it never read),
+    and a case's padded static bucket is run only for the static items that read it."""
 
     def __init__(self, model: LoadedModel, case: Case, traces: CaseTraces):
         super().__init__()
@@ -241,18 +243,18 @@ class StepReferences(dict):
     def __missing__(self, key):
         if not self._known(key):
             raise KeyError(key)
-        self.update(_cached_step_references(self._model, self._case, self._traces, get_step(key[0])))
+        self.update(_cached_step_references(self._model, self._case, self._traces, get_step(key[0]), key[1]))
         return dict.__getitem__(self, key)
 
     def get(self, key, default=None):
         return self[key] if key in self else default
 
 
-def _cached_step_references(model: LoadedModel, case: Case, traces: CaseTraces, step: Step) -> dict:
-    key = content_key("traces-step", TRACE_VERSION, model.digest, case.digest, numerics(), step.name)
+def _cached_step_references(model: LoadedModel, case: Case, traces: CaseTraces, step: Step, mode: str) -> dict:
+    key = content_key("traces-step", TRACE_VERSION, model.digest, case.digest, numerics(), step.name, mode)
 
     def build(tmp):
-        io = _step_references(model, traces, [step])
+        io = _step_references(model, traces, [step], (mode,))
         atomic_write(tmp / "io.pt", lambda f: torch.save(io, f))
 
     entry, _hit = cache.get_or_build("traces", key, build)

@@ -141,20 +141,22 @@ def test_pytest_line_goes_after_pytests_text_and_gives_it_back():
 
 
 def test_a_step_s_references_show_a_phase_when_computed_and_none_when_read_again(cache, monkeypatch):
-    """`StepReferences`: the first read of a step computes its references under one phase naming
-    the step; a second read (the same or another mode and dtype of that step) finds them in memory
-    and shows nothing; another case's traces read them from the disk cache, showing nothing."""
+    """`StepReferences`: the first read of a step in a mode computes its references in that mode
+    (both dtypes) under one phase naming the step; a second read (the same mode, either dtype)
+    finds them in memory and shows nothing; the other mode is computed when first read (a dynamic
+    item never pays for the padded static bucket); another process's traces read them from the
+    disk cache, showing nothing."""
     from types import SimpleNamespace
 
     from harness import reference
 
     computed = []
 
-    def fake_step_references(model, traces, steps):
-        computed.append(steps[0].name)
+    def fake_step_references(model, traces, steps, modes):
+        computed.append((steps[0].name, *modes))
         with progress.phase("references", subject=f"{traces.case_id} {steps[0].name}"):
             return {(steps[0].name, mode, dtype): ({}, {"x": torch.zeros(1)})
-                    for mode in reference.MODES for dtype in ("float32", "float64")}
+                    for mode in modes for dtype in ("float32", "float64")}
 
     monkeypatch.setattr(reference, "_step_references", fake_step_references)
     model, case = SimpleNamespace(digest="m" * 8), SimpleNamespace(id="tiny", digest="c" * 8)
@@ -165,16 +167,19 @@ def test_a_step_s_references_show_a_phase_when_computed_and_none_when_read_again
         assert ("decoder", "dynamic", "float32") in refs
         refs[("decoder", "dynamic", "float32")]
         first = list(lines)
-        refs[("decoder", "dynamic", "float32")]
-        refs[("decoder", "static", "float64")]
-        assert refs.get(("decoder", "static", "float32")) is not None
+        refs[("decoder", "dynamic", "float64")]
         second = lines[len(first):]
+        assert computed == [("decoder", "dynamic")]
+        assert refs.get(("decoder", "static", "float32")) is not None
+        assert computed == [("decoder", "dynamic"), ("decoder", "static")] and len(lines) == len(first) + 2
+        refs[("decoder", "static", "float64")]
         again = reference.StepReferences(model, case, traces)  # a new process's: the disk cache
         again[("decoder", "dynamic", "float64")]
-        third = lines[len(first) + len(second):]
+        again[("decoder", "static", "float32")]
+        third = lines[len(first) + 2:]
     assert first == ["kokoro-parity: references tiny decoder ...",
                      first[1]] and first[1].startswith("kokoro-parity: references tiny decoder: done in"), first
-    assert second == [] and third == [] and computed == ["decoder"]
+    assert second == [] and third == [] and len(computed) == 2
 
 
 # ---- through pytest ---------------------------------------------------------------------------
