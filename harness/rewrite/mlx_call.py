@@ -2,6 +2,7 @@
 only: the mlx-audio adapter's conventions (harness.rewrite.mlx_audio) and Kokoro's noise drawn in
 place of mlx-audio's. A repro bundle ships this file unchanged beside its repro.py (`run_saved`),
 so the adapter and the bundle call a module the same way.
+It imports nothing of the harness (the bundle has no harness): its errors are plain ValueErrors.
 """
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-
-from ..plumbing.errors import UsageError
 
 try:  # optional runtime: mlx-audio (the `mlx` extra); the adapter checks it before calling here
     import mlx.core as mx
@@ -59,7 +58,7 @@ def call(module, path: str, convention: str, args: list, kwargs: dict) -> np.nda
     elif convention in ("weighted_conv", "weighted_conv_transpose"):
         out = module(a[0].swapaxes(2, 1), mx.conv1d if convention == "weighted_conv" else mx.conv_transpose1d)
     else:
-        raise UsageError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
+        raise ValueError(f"mlx-audio adapter: unknown convention {convention!r} for {path}")
     return kokoro_layout(out, convention)
 
 

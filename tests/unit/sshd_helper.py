@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CPU_PINS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+CPU_PINS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # conftest.py's
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -87,9 +87,10 @@ class Sshd:
 
     def target(self, python: Path, work_dir: Path, key: Path | None = None, known_hosts: Path | None = None,
                **extra) -> dict:
-        """A targets.yaml entry for this server. Its jobs get this process's CPU kernel pins (conftest.py):
-        sshd gives them a clean environment, and on an AVX-512 CPU the unpinned kernels differ in the
-        last bits, so a loopback run would no longer equal the local one."""
+        """A targets.yaml entry for this server. Its jobs get this process's CPU kernel and thread pins
+        (conftest.py): sshd gives them a clean environment, and on an AVX-512 CPU the unpinned kernels,
+        or two threads instead of one, differ in the last bits, so a loopback run would no longer
+        equal the local one."""
         env = {k: os.environ[k] for k in CPU_PINS if k in os.environ}
         return {"kind": "ssh", "host": "127.0.0.1", "port": self.port, "user": self.user,
                 "identity_file": str(key or self.client_key), "known_hosts": str(known_hosts or self.known_hosts),
