@@ -72,9 +72,11 @@ _GRAPHS: dict = {}
 
 
 def step_graph(program_path, inputs):
-    """One StepGraph per program file of this module, so its load and its per-node fp32/fp64
-    references (deterministic: the same ops on the same inputs) are computed once, not per test."""
-    key = str(program_path)
+    """One StepGraph per program file and inputs of this module, so its load and its per-node
+    fp32/fp64 references (deterministic: the same ops on the same inputs) are computed once, not
+    per test. Keyed by the input tensors themselves (the `programs` fixture's), so a carved
+    program or other inputs get a graph of their own."""
+    key = (str(Path(program_path)), tuple(id(v) for v in inputs))
     if key not in _GRAPHS:
         _GRAPHS[key] = StepGraph(program_path, inputs)
     return _GRAPHS[key]
@@ -107,7 +109,7 @@ def bisect(env, programs, step, backend, tmp_path, depth=0, fault=None, verify=F
     if fault:
         env.setenv(FAULT_ENV, fault)
     if not fresh:
-        env.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, inputs))
+        env.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, values))
     b = Bisector(program, f"test-{step}", inputs, backend, Tolerance(), step, tmp_path / "reports",
                  f"t-{step}-{backend}", depth=depth, band_from=band_from)
     result = b.run(verify=verify)
@@ -151,7 +153,7 @@ def test_modules_are_carved_at_their_boundaries(programs, random_model, monkeypa
     km = apply_patches(random_model.kmodel, EagerBackend.patches)
     for step in ("duration_encoder", "decoder"):
         program, inputs = programs[step]
-        monkeypatch.setattr("harness.bisect.StepGraph", lambda path, values, inputs=inputs: step_graph(path, inputs))
+        monkeypatch.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, values))
         seen = capture_outputs(get_step(step).module(km), inputs)
         b = Bisector(program, "k", inputs, "eager", Tolerance(), step, Path("unused"), "unused", depth=2)
         mods = b.modules()
@@ -356,7 +358,7 @@ def test_fault_on_a_compiling_backend_is_named(programs, env, tmp_path, base):
         pytest.skip(f"{base} is not installed: {get_backend(base).available()[1]}")
     program_path, inputs = programs["duration_encoder"]
     with pytest.MonkeyPatch.context() as mp:  # the step's shared graph; the carved program's its own
-        mp.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, inputs))
+        mp.setattr("harness.bisect.StepGraph", lambda path, values: step_graph(path, values))
         b = Bisector(program_path, "k", inputs, "eager", Tolerance(), "duration_encoder", tmp_path, "k", depth=1)
     module = next(m for m in b.modules() if m["path"].endswith("lstms.3"))
     gm, names = b.graph.carve(module["outputs"], module["stop"])
