@@ -219,6 +219,11 @@ def cached_job(kind: str, key: str, function: str, timeout: float, make_kwargs, 
 
 def _child(workdir: Path) -> None:
     job = json.loads((workdir / "job.json").read_text())
+    for key, value in job.get("env", {}).items():  # a JobProcess's per-job variables (harness.plumbing.worker)
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     module, _, name = job["function"].partition(":")
     start = time.monotonic()
     try:

@@ -136,3 +136,33 @@ def test_a_job_process_reads_as_a_fresh_child_and_restarts_when_the_environment_
         assert c.value["pid"] != b.value["pid"] and d.value["pid"] != c.value["pid"]
     finally:
         w.stop()
+
+
+def cache_job() -> dict:
+    from harness.plumbing.cache import CACHE_ENV
+
+    return {"pid": os.getpid(), "cache": os.environ.get(CACHE_ENV)}
+
+
+def test_a_job_process_keeps_its_process_across_caches_and_each_job_sees_its_own(tmp_path, monkeypatch):
+    """A test suite switches the cache directory between tests: the exporter keeps its process
+    (kokoro imported, the model built) and each job sees the cache its parent had, set or not."""
+    from harness.plumbing.cache import CACHE_ENV
+    from harness.plumbing.worker import JobProcess
+
+    w = JobProcess(max_jobs=8)
+    try:
+        monkeypatch.setenv(CACHE_ENV, str(tmp_path / "one"))
+        a = w.run_job(f"{HERE}:cache_job", {}, tmp_path / "a", timeout=120)
+        monkeypatch.setenv(CACHE_ENV, str(tmp_path / "two"))
+        b = w.run_job(f"{HERE}:cache_job", {}, tmp_path / "b", timeout=120)
+        monkeypatch.delenv(CACHE_ENV)
+        c = w.run_job(f"{HERE}:cache_job", {}, tmp_path / "c", timeout=120)
+        assert a.ok and b.ok and c.ok and a.value["pid"] == b.value["pid"] == c.value["pid"]
+        assert (a.value["cache"], b.value["cache"], c.value["cache"]) == (str(tmp_path / "one"), str(tmp_path / "two"),
+                                                                          None)
+        monkeypatch.setenv("KOKORO_PARITY_TEST_SWITCH", "on")  # any other variable: a new process
+        d = w.run_job(f"{HERE}:cache_job", {}, tmp_path / "d", timeout=120)
+        assert d.ok and d.value["pid"] != c.value["pid"]
+    finally:
+        w.stop()
