@@ -19,6 +19,7 @@ import torch
 
 from . import progress
 from .backends import cost
+from .cases import CASES_ENV
 from .model import SAMPLE_RATE, load_model
 from .patches import affecting, apply_patches, graph_code_digest
 from .plumbing import cache
@@ -31,7 +32,9 @@ PROGRAM_VERSION = 2  # bump when the export recipe changes: it invalidates cache
 # Each export in a fresh child imported kokoro (with transformers' ALBERT) and built the model
 # again, 5-10 s before an export of 5-15 s; this process pays that once per run (and again after
 # a crash, a timeout, a change of the environment or this many exports: its memory grows).
-EXPORTER = JobProcess(max_jobs=16)
+# The cases directories (the CLI's $KOKORO_PARITY_CASES) are the parent's concern, like the cache:
+# each export job carries both, and a test that switches them keeps the process.
+EXPORTER = JobProcess(max_jobs=16, per_job_env=(cache.CACHE_ENV, CASES_ENV))
 atexit.register(EXPORTER.stop)
 _LOADED: dict = {}  # in the export process: the model each export patches a copy of
 

@@ -195,11 +195,14 @@ class JobProcess(WarmWorker):
     pay the same imports in every fresh child: torch, kokoro and the model's build, a runtime. Its
     jobs read as a fresh child's (no `warm_worker` mark); a change of the environment (a fault or
     a workaround switched off between jobs) starts a new process, as a fresh child would have seen
-    it. The cache directory is the exception: each job sets the parent's in the child, as a fresh
-    child would have inherited it (a test suite switches caches between tests, and each switch cost
-    a new exporter its torch and kokoro imports and the model's build, about 7 CPU s)."""
+    it. The variables of `per_job_env` (the cache directory by default) are the exception: each job
+    sets the parent's in the child, as a fresh child would have inherited them (a test suite
+    switches caches between tests, and each switch cost a new exporter its torch and kokoro imports
+    and the model's build, about 7 CPU s)."""
 
-    per_job_env = (CACHE_ENV,)
+    def __init__(self, preload: dict | None = None, max_jobs: int = 0, per_job_env: tuple[str, ...] = (CACHE_ENV,)) -> None:
+        super().__init__(preload, max_jobs)
+        self.per_job_env = per_job_env
 
     def run_job(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
         if self.proc is not None and self.env_changed():
