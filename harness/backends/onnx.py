@@ -12,13 +12,15 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import torch
 
+from ..plumbing.errors import UsageError
 from ..plumbing.jobs import first_error_line
 from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
-from ..plumbing.errors import UsageError
 
 ONNX_NAME = "model.onnx"
 IO_NAME = "io.json"  # the program's user input names, in order: runs map inputs by name
@@ -66,8 +68,6 @@ def export_onnx(program_path: Path, out_path: Path) -> dict:
         torch.onnx.export(program.module(), args, str(out_path), dynamo=False, opset_version=17,
                           input_names=names)
         info["exporter"] = "torchscript"
-    # heavy runtime: onnx, only where an ONNX file is read
-    import onnx
 
     model = onnx.load(str(out_path), load_external_data=False)
     info["onnx_ops"] = dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
@@ -152,9 +152,6 @@ class OnnxRuntimeBackend(Backend):
         return ORT_REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        # heavy runtime: onnxruntime, only where an ONNX file runs
-        import onnxruntime as ort
-
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         sess = ort.InferenceSession(str(artifact_path), opts, providers=["CPUExecutionProvider"])
@@ -219,9 +216,7 @@ class TvmOnnxBackend(Backend):
     audit_requires = OnnxRuntimeBackend.audit_requires
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        # heavy runtime: onnx, only where an ONNX file is read; optional runtime: tvm extra
-        import onnx
-        from tvm.relax.frontend.onnx import from_onnx
+        from tvm.relax.frontend.onnx import from_onnx  # optional runtime: the tvm extra
 
         self.compile_audit = export_onnx(program_path, out_dir / ONNX_NAME)
         model = onnx.load(str(out_dir / ONNX_NAME))

@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 
 import numpy as np
+import onnxruntime as ort
 
 from ..plumbing.files import load_arrays, save_arrays
 
@@ -26,9 +27,6 @@ KEPT_SESSIONS = 4
 
 
 def session_for(path: str):
-    # heavy runtime: onnxruntime, only where an ONNX file runs
-    import onnxruntime as ort
-
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if key in _SESSIONS:

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from ..plumbing.jobs import first_error_line
@@ -84,8 +85,7 @@ def webgpu_adapter() -> dict:
     """What this machine's headless Chromium offers to WebGPU (asked once per process): the adapter's
     info, or {"error": why there is none}."""
     # optional runtime: playwright (the web extra), only where a browser starts
-    from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import Error as PlaywrightError, sync_playwright
 
     try:
         with PageServer(files=_page_files()) as server, sync_playwright() as p:
@@ -154,9 +154,6 @@ def webgpu_missing() -> str:
 
 
 def onnx_input_names(path: Path) -> list[str]:
-    # heavy runtime: onnx, only where an ONNX file is read
-    import onnx
-
     graph = onnx.load(str(path), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
     return [i.name for i in graph.input if i.name not in initializers]
@@ -247,8 +244,7 @@ def _in_browser(url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
     """(the page's answer, its console lines, the browser's version and user agent), in a browser
     started for this run and closed after it."""
     # optional runtime: playwright (the web extra), only where a browser starts
-    from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import Error as PlaywrightError, sync_playwright
 
     console: list[str] = []
     crashed: list[str] = []

@@ -9,9 +9,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
 from .cost import AUDIO_SECONDS, LSTM_STEPS, CostLaw
 from .tvm_library import TARGET, build_library, run_library  # noqa: F401 - build_library: onnx imports it here
+
 # harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
 TVM_PATCHES = ("stft_phase_where",)
 
@@ -21,7 +25,6 @@ def _clamp_int_safe(node, importer):
     limit. TVM 0.27 uses +-inf, and legalizing clip on int64 then fails with "Cannot convert
     infinity to BigInt" (torch's linear-interpolation decomposition in SineGen does
     `(x + 1).clamp(max=n - 1)` on int64 indices). Exact: the bound it adds cannot bind."""
-    import numpy as np
     from tvm import relax
 
     x = importer.env[node.args[0]]
@@ -119,12 +122,9 @@ class TvmBackend(Backend):
         return tvm_version() + self.workaround_tag()
 
     def audit(self, program_path: Path) -> dict:
-        import torch
-
         return frontend_gaps(torch.export.load(str(program_path)))
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        import torch
         from tvm.relax.frontend.torch import from_exported_program
 
         start = time.perf_counter()
