@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
 
 from ..plumbing.errors import UsageError
@@ -152,6 +151,8 @@ class OnnxRuntimeBackend(Backend):
         return ORT_REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
+        import onnxruntime as ort  # runtime: the faces load this module and import no runtime
+
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         sess = ort.InferenceSession(str(artifact_path), opts, providers=["CPUExecutionProvider"])

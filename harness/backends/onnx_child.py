@@ -12,7 +12,6 @@ import time
 from collections import OrderedDict
 
 import numpy as np
-import onnxruntime as ort
 
 from ..plumbing.files import load_arrays, save_arrays
 
@@ -27,6 +26,9 @@ KEPT_SESSIONS = 4
 
 
 def session_for(path: str):
+    # runtime: the faces load this module (through harness.backends) and import no runtime
+    import onnxruntime as ort
+
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if key in _SESSIONS:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from ..onnx_rebuild import _node_path
 from ..plumbing.errors import UsageError
@@ -53,6 +52,8 @@ def marked_copy(src: Path, dest: Path, tensors: list[str]) -> Path:
 
 
 def run_onnx(path: Path, feed: dict, outputs: list[str] | None = None) -> dict:
+    import onnxruntime as ort  # runtime: the faces load this module and import no runtime
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
