@@ -20,6 +20,11 @@ from ..plumbing.jobs import first_error_line
 from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+relax_onnx = deferred_import("tvm.relax.frontend.onnx")
+relax_onnx_frontend = deferred_import("tvm.relax.frontend.onnx.onnx_frontend")
 
 ONNX_NAME = "model.onnx"
 IO_NAME = "io.json"  # the program's user input names, in order: runs map inputs by name
@@ -162,10 +167,7 @@ class OnnxRuntimeBackend(Backend):
 
 
 def tvm_onnx_gaps(model) -> dict:
-    # optional runtime: tvm extra
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
-    convert_map = _get_convert_map()
+    convert_map = relax_onnx_frontend._get_convert_map()
     ops = Counter(n.op_type for n in model.graph.node)
     return {"onnx_ops_without_tvm_converter": {k: v for k, v in sorted(ops.items()) if k not in convert_map}}
 
@@ -217,14 +219,12 @@ class TvmOnnxBackend(Backend):
     audit_requires = OnnxRuntimeBackend.audit_requires
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        from tvm.relax.frontend.onnx import from_onnx  # optional runtime: the tvm extra
-
         self.compile_audit = export_onnx(program_path, out_dir / ONNX_NAME)
         model = onnx.load(str(out_dir / ONNX_NAME))
         self.compile_audit.update(tvm_onnx_gaps(model))
         dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
                   for i in model.graph.input}
-        mod = from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
+        mod = relax_onnx.from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
         build_library(mod, out_dir / self.artifact_name)
         (out_dir / "onnx_inputs.json").write_text(json.dumps([i.name for i in model.graph.input]))
         return self.compile_audit
