@@ -84,11 +84,18 @@ MODULES = {
     "decoder.generator.resblocks.*.adain[12].*": "call",
     "decoder.generator.conv_post": "weighted_conv",
 }
+# Sub-callables: the generator's STFT of the harmonic source and its inverse STFT of the output
+# (both sides' `transform(x) -> (magnitude, phase)` and `inverse(magnitude, phase)`, Kokoro's layout).
+CALLS = {
+    "decoder.generator.stft.transform": "call",
+    "decoder.generator.stft.inverse": "call",
+}
 
 
 class MlxAudio(Adapter):
     name = "mlx-audio"
     modules = MODULES
+    calls = CALLS
 
     def missing(self) -> str | None:
         absent = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
