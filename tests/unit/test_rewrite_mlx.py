@@ -170,7 +170,7 @@ def test_a_wrong_inverse_stft_normalization_is_named_at_the_generator_as_a_gain(
     assert failing == [inverse, GENERATOR] and len(rec.stages) == 6, failing  # the rest inside it is within
     assert {r["stage"]: r.get("inside") for r in rec.stages}[inverse] == f"{GENERATOR}.stft"
     assert f"first module whose local error leaves its floor: '{GENERATOR}' (constant gain x0.74" in rec.reason
-    assert f"inside it: '{inverse}' (constant gain x0.74" in rec.reason and "-2.50 dB" in rec.reason
+    assert f"inside it: '{inverse}' (constant gain x0.75" in rec.reason and "-2.50 dB" in rec.reason
     # mlx-audio's own chain beside each row: drawing Kokoro's noise, its NSF source matches sample by
     # sample, and the generator's output carries the same gain
     chained = {r["stage"]: r["outputs"]["out"]["chained"] for r in rec.stages if "inside" not in r}
