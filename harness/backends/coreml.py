@@ -20,12 +20,6 @@ from ..precision.islands import keep_tag, op_selector_for, read_keep_list
 from . import Backend, Workaround
 from .tvm import COMMON_PATCHES
 from ..plumbing.errors import UsageError
-from ..plumbing.deferred import deferred_import
-
-# imported at their first use (harness.plumbing.deferred)
-ct = deferred_import("coremltools")
-mil_torch_ops = deferred_import("coremltools.converters.mil.frontend.torch.ops")
-mil_registry = deferred_import("coremltools.converters.mil.frontend.torch.torch_op_registry")
 
 # harness.patches.frontends: `&` has no MIL lowering; rsqrt of an int constant is not promoted
 # (aten.lstm: `lstm_converter` below, inside the conversion, not a patch)
@@ -99,8 +93,11 @@ class _LstmOutputs:
 
 
 def _convert_lstm_input(context, node):
+    # optional runtime: coreml extra
+    from coremltools.converters.mil.frontend.torch import ops
+
     seen = _LstmOutputs(node)
-    mil_torch_ops.lstm(context, seen)
+    ops.lstm(context, seen)
     context.add(tuple(context[name] for name in seen.outputs), torch_name=node.name)
 
 
@@ -111,7 +108,9 @@ def _lstm_converter(enabled: bool = True) -> None:
     that kind, Kokoro's LSTMs convert as Core ML ports ship them, in a time flat in T (the cell
     written out per step took about 6 min at 1,536 steps). `enabled=False` takes our registration out
     again, so that `--no-workaround lstm_converter` shows the defect in this process too."""
-    registry = mil_registry._TORCH_OPS_REGISTRY
+    # optional runtime: coreml extra
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY as registry
+
     if enabled and "lstm.input" not in registry:
         registry.set_func_by_name(_convert_lstm_input, "lstm.input")
     elif not enabled and registry.name_to_func_mapping.get("lstm.input") is _convert_lstm_input:
@@ -119,11 +118,14 @@ def _lstm_converter(enabled: bool = True) -> None:
 
 
 def _kind(target) -> str:
+    # optional runtime: coreml extra
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import sanitize_op_kind
+
     try:
         kind = target.name()
     except Exception:  # noqa: BLE001 - operator.getitem and friends have no name()
         kind = getattr(target, "__name__", str(target))
-    return mil_registry.sanitize_op_kind(kind)
+    return sanitize_op_kind(kind)
 
 
 def _ops(program) -> Counter:
@@ -133,11 +135,13 @@ def _ops(program) -> Counter:
 def mil_gaps(program) -> dict:
     """Ops of the program that coremltools' torch frontend has no MIL lowering for (its registry,
     looked up the way its EXIR frontend names nodes)."""
+    # optional runtime: coreml extra
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
+
     ops: Counter = Counter()
     for target, n in _ops(program).items():
         ops[_kind(target)] += n
-    lowered = mil_registry._TORCH_OPS_REGISTRY
-    return {"ops_without_mil_lowering": {k: v for k, v in sorted(ops.items()) if k not in lowered},
+    return {"ops_without_mil_lowering": {k: v for k, v in sorted(ops.items()) if k not in _TORCH_OPS_REGISTRY},
             "n_ops": sum(ops.values())}
 
 
@@ -196,6 +200,9 @@ class _CoreMLBackend(Backend):
         return []
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
+        # optional runtime: coreml extra
+        import coremltools as ct
+
         program = _inference_ir(torch.export.load(str(program_path)), self.disabled_workarounds())
         precision, kept = getattr(ct.precision, self.precision), None
         keep = self.keep_fp32()
@@ -223,6 +230,9 @@ class _CoreMLBackend(Backend):
         return helpers + REPRO_RUNNER.replace("@PRECISION@", self.precision).replace("@UNITS@", self.compute_units)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
+        # optional runtime: coreml extra
+        import coremltools as ct
+
         model = ct.models.MLModel(str(artifact_path), compute_units=getattr(ct.ComputeUnit, self.compute_units))
         self.run_audit = {"compute_units": self.compute_units}  # into the record's audit
         spec = model.get_spec()

@@ -132,9 +132,6 @@ class XnnpackBackend(Backend):
     def repro_source(self) -> str:
         if not self._control_flow_partitioner():
             return REPRO_RUNNER.format(**self.repro_partitioner)
-
-        # optional runtime: control_flow imports executorch at its top
-
         helpers = CONTROL_FLOW_IMPORTS + "".join(inspect.getsource(f) + "\n\n" for f in (
             control_flow._BodyView, control_flow.control_flow_bodies, control_flow.XnnpackControlFlowPartitioner))
         return helpers + REPRO_RUNNER.format(

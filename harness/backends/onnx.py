@@ -12,7 +12,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import onnx
 import torch
 
 from ..plumbing.errors import UsageError
@@ -23,6 +22,7 @@ from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_ve
 from ..plumbing.deferred import deferred_import
 
 # imported at their first use (harness.plumbing.deferred)
+onnx = deferred_import("onnx")  # a run target has onnxruntime, not always onnx
 relax_onnx = deferred_import("tvm.relax.frontend.onnx")
 relax_onnx_frontend = deferred_import("tvm.relax.frontend.onnx.onnx_frontend")
 

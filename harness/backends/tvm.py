@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
@@ -31,6 +30,10 @@ def _clamp_int_safe(node, importer):
     limit. TVM 0.27 uses +-inf, and legalizing clip on int64 then fails with "Cannot convert
     infinity to BigInt" (torch's linear-interpolation decomposition in SineGen does
     `(x + 1).clamp(max=n - 1)` on int64 indices). Exact: the bound it adds cannot bind."""
+    # pasted into repro.py (repro_source): what it uses, it imports itself; the tvm extra
+    import numpy as np
+    from tvm import relax
+
     x = importer.env[node.args[0]]
     dtype = str(x.ty.dtype)
     lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")

@@ -64,12 +64,16 @@ import types
 import wave
 from pathlib import Path
 
-import librosa
 import numpy as np
-import pesq as pesq_lib
-import soxr
 
+from harness.plumbing.deferred import deferred_import
 from harness.plumbing.files import atomic_write
+
+# imported at their first use (harness.plumbing.deferred): a record's reader, the dashboard and the
+# report import this module and compute no metric
+librosa = deferred_import("librosa")
+pesq_lib = deferred_import("pesq")
+soxr = deferred_import("soxr")
 
 __all__ = [
     "DYNAMIC_RANGE_DB",

@@ -15,10 +15,6 @@ import torch.fx
 from ..plumbing.files import content_key
 from .float16 import under
 from ..plumbing.errors import UsageError
-from ..plumbing.deferred import deferred_import
-
-# imported at their first use (harness.plumbing.deferred)
-ct_scope = deferred_import("coremltools.converters.mil.mil.scope")
 
 # Semantics-preserving patches that turn code a module's forward runs inline into submodules, so that a
 # keep-list can name it: the vocoder's STFT (`decoder.generator.stft.analysis`) and iSTFT (`.synthesis`).
@@ -116,6 +112,9 @@ def op_selector_for(exported_program, keep: list[str]):
     ops converted from nodes inside the `keep` modules. It tags every node with a debug handle
     (coremltools carries `debug_handle` into the op's EXIR_DEBUG_HANDLE scope), so convert *this*
     program object. Returns (op_selector, number of nodes kept)."""
+    # optional runtime: coreml extra
+    from coremltools.converters.mil.mil.scope import ScopeSource
+
     island = island_nodes(exported_program.graph, keep)
     kept = set()
     for i, node in enumerate(exported_program.graph.nodes, start=1):
@@ -125,7 +124,7 @@ def op_selector_for(exported_program, keep: list[str]):
 
     def op_selector(op) -> bool:
         """True: the op is cast to float16; False: it stays in float32."""
-        handles = op.scopes.get(ct_scope.ScopeSource.EXIR_DEBUG_HANDLE, []) if hasattr(op, "scopes") else []
+        handles = op.scopes.get(ScopeSource.EXIR_DEBUG_HANDLE, []) if hasattr(op, "scopes") else []
         return not any(h in kept for h in handles if h is not None)
 
     return op_selector, len(kept)
