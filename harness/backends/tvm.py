@@ -32,7 +32,7 @@ def _clamp_int_safe(node, importer):
     `(x + 1).clamp(max=n - 1)` on int64 indices). Exact: the bound it adds cannot bind."""
     # pasted into repro.py (repro_source): what it uses, it imports itself; the tvm extra
     import numpy as np
-    from tvm import relax
+    from tvm import relax  # optional runtime: the tvm extra
 
     x = importer.env[node.args[0]]
     dtype = str(x.ty.dtype)
