@@ -28,7 +28,7 @@ def main() -> int:
 
     from harness.metrics.tensor import error_metrics
     from harness.patches import PATCHES
-    from harness.upstream.checks import _tvm_run
+    from harness.upstream.checks.tvm_checks import _tvm_run
     from harness.upstream.programs import InstanceNorm
 
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="kp-in-"))

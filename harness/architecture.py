@@ -47,7 +47,7 @@ def build_empty_kmodel(seed: int | None = None) -> torch.nn.Module:
 
     KModel.__init__ always torch.loads a checkpoint; an in-memory empty dict satisfies it.
     """
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.model import KModel
 
     buf = io.BytesIO()

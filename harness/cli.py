@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:
-        from . import commands  # after parsing: torch and the harness load only for a command that runs
+        from . import commands  # after parsing (--help stays fast): the harness loads for a command that runs
 
         return commands.dispatch(args)
     except (UsageError, FileNotFoundError) as e:  # what the user gave; anything else is a bug: its traceback

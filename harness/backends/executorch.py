@@ -9,10 +9,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import to_edge_transform_and_lower
+from executorch.runtime import Runtime
 
 from . import Backend, Workaround, control_flow
+from .control_flow import XnnpackControlFlowPartitioner, control_flow_bodies
 from .cost import AUDIO_SECONDS, CostLaw
-from .control_flow import control_flow_bodies
 
 
 def _core_aten_violations(program) -> dict[str, int]:
@@ -112,13 +115,7 @@ class XnnpackBackend(Backend):
                 and "control_flow_partitioner" not in self.disabled_workarounds())
 
     def partitioners(self) -> list:
-        # optional runtime: executorch extra
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
         if self._control_flow_partitioner():
-            # optional runtime: control_flow imports executorch at its top
-            from .control_flow import XnnpackControlFlowPartitioner
-
             return [XnnpackControlFlowPartitioner()]
         return [XnnpackPartitioner()]
 
@@ -135,9 +132,6 @@ class XnnpackBackend(Backend):
     def repro_source(self) -> str:
         if not self._control_flow_partitioner():
             return REPRO_RUNNER.format(**self.repro_partitioner)
-
-        # optional runtime: control_flow imports executorch at its top
-
         helpers = CONTROL_FLOW_IMPORTS + "".join(inspect.getsource(f) + "\n\n" for f in (
             control_flow._BodyView, control_flow.control_flow_bodies, control_flow.XnnpackControlFlowPartitioner))
         return helpers + REPRO_RUNNER.format(
@@ -149,9 +143,6 @@ class XnnpackBackend(Backend):
         return {"non_core_aten_ops": _core_aten_violations(program.run_decompositions())}
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        # optional runtime: executorch extra
-        from executorch.exir import to_edge_transform_and_lower
-
         program = torch.export.load(str(program_path))
         partitioners = self.partitioners()
         edge = to_edge_transform_and_lower(program, partitioner=partitioners)
@@ -161,9 +152,6 @@ class XnnpackBackend(Backend):
         return audit
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        # optional runtime: executorch extra
-        from executorch.runtime import Runtime
-
         method = Runtime.get().load_program(str(artifact_path)).load_method("forward")
         return list(method.execute([t.contiguous() for t in inputs]))
 

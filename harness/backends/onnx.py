@@ -14,11 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..plumbing.errors import UsageError
 from ..plumbing.jobs import first_error_line
 from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, EXPORTED_NODES, CostLaw
 from .tvm import COMMON_PATCHES, TVM_PATCHES, build_library, run_library, tvm_version
-from ..plumbing.errors import UsageError
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+onnx = deferred_import("onnx")  # a run target has onnxruntime, not always onnx
+relax_onnx = deferred_import("tvm.relax.frontend.onnx")
+relax_onnx_frontend = deferred_import("tvm.relax.frontend.onnx.onnx_frontend")
 
 ONNX_NAME = "model.onnx"
 IO_NAME = "io.json"  # the program's user input names, in order: runs map inputs by name
@@ -66,8 +72,6 @@ def export_onnx(program_path: Path, out_path: Path) -> dict:
         torch.onnx.export(program.module(), args, str(out_path), dynamo=False, opset_version=17,
                           input_names=names)
         info["exporter"] = "torchscript"
-    # heavy runtime: onnx, only where an ONNX file is read
-    import onnx
 
     model = onnx.load(str(out_path), load_external_data=False)
     info["onnx_ops"] = dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
@@ -152,8 +156,7 @@ class OnnxRuntimeBackend(Backend):
         return ORT_REPRO_RUNNER
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        # heavy runtime: onnxruntime, only where an ONNX file runs
-        import onnxruntime as ort
+        import onnxruntime as ort  # runtime: the faces load this module and import no runtime
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
@@ -164,10 +167,7 @@ class OnnxRuntimeBackend(Backend):
 
 
 def tvm_onnx_gaps(model) -> dict:
-    # optional runtime: tvm extra
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
-    convert_map = _get_convert_map()
+    convert_map = relax_onnx_frontend._get_convert_map()
     ops = Counter(n.op_type for n in model.graph.node)
     return {"onnx_ops_without_tvm_converter": {k: v for k, v in sorted(ops.items()) if k not in convert_map}}
 
@@ -219,16 +219,12 @@ class TvmOnnxBackend(Backend):
     audit_requires = OnnxRuntimeBackend.audit_requires
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        # heavy runtime: onnx, only where an ONNX file is read; optional runtime: tvm extra
-        import onnx
-        from tvm.relax.frontend.onnx import from_onnx
-
         self.compile_audit = export_onnx(program_path, out_dir / ONNX_NAME)
         model = onnx.load(str(out_dir / ONNX_NAME))
         self.compile_audit.update(tvm_onnx_gaps(model))
         dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
                   for i in model.graph.input}
-        mod = from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
+        mod = relax_onnx.from_onnx(model, dtype_dict=dtypes, keep_params_in_input=False)
         build_library(mod, out_dir / self.artifact_name)
         (out_dir / "onnx_inputs.json").write_text(json.dumps([i.name for i in model.graph.input]))
         return self.compile_audit

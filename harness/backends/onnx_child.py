@@ -26,7 +26,7 @@ KEPT_SESSIONS = 4
 
 
 def session_for(path: str):
-    # heavy runtime: onnxruntime, only where an ONNX file runs
+    # runtime: the faces load this module (through harness.backends) and import no runtime
     import onnxruntime as ort
 
     st = os.stat(path)

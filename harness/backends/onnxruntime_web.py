@@ -26,12 +26,17 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from ..plumbing.jobs import first_error_line
 from . import Backend
 from .onnx import ONNX_NAME, ONNX_PATCHES, OnnxRuntimeBackend, export_onnx, input_feed
 from .web_page import CHROMIUM, PageServer, launch_chromium
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+playwright_api = deferred_import("playwright.sync_api")
 
 WEB_DIR_ENV = "KOKORO_PARITY_WEB_DIR"  # another install of web/ (package.json + node_modules)
 REPO_WEB = Path(__file__).resolve().parents[2] / "web"
@@ -83,12 +88,8 @@ def chromium_version() -> str:
 def webgpu_adapter() -> dict:
     """What this machine's headless Chromium offers to WebGPU (asked once per process): the adapter's
     info, or {"error": why there is none}."""
-    # optional runtime: playwright (the web extra), only where a browser starts
-    from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import sync_playwright
-
     try:
-        with PageServer(files=_page_files()) as server, sync_playwright() as p:
+        with PageServer(files=_page_files()) as server, playwright_api.sync_playwright() as p:
             browser = launch_chromium(p, webgpu=True)
             try:
                 page = browser.new_page()
@@ -97,7 +98,7 @@ def webgpu_adapter() -> dict:
                 return page.evaluate("() => window.kokoroAdapter()")
             finally:
                 browser.close()
-    except PlaywrightError as e:
+    except playwright_api.Error as e:
         return {"error": f"Chromium did not start: {first_error_line(e)}"}
 
 
@@ -154,9 +155,6 @@ def webgpu_missing() -> str:
 
 
 def onnx_input_names(path: Path) -> list[str]:
-    # heavy runtime: onnx, only where an ONNX file is read
-    import onnx
-
     graph = onnx.load(str(path), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
     return [i.name for i in graph.input if i.name not in initializers]
@@ -246,13 +244,9 @@ def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str
 def _in_browser(url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
     """(the page's answer, its console lines, the browser's version and user agent), in a browser
     started for this run and closed after it."""
-    # optional runtime: playwright (the web extra), only where a browser starts
-    from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import sync_playwright
-
     console: list[str] = []
     crashed: list[str] = []
-    with sync_playwright() as p:
+    with playwright_api.sync_playwright() as p:
         browser = launch_chromium(p, webgpu=cfg["ep"] == "webgpu")
         try:
             page = browser.new_page()
@@ -263,7 +257,7 @@ def _in_browser(url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
             about = {"version": browser.version, "user_agent": page.evaluate("navigator.userAgent")}
             try:
                 answer = drive(page, cfg)
-            except PlaywrightError as e:
+            except playwright_api.Error as e:
                 message = first_error_line(e)
                 if crashed or "crash" in message.lower():
                     raise PageCrashed(f"Chromium {browser.version}: {message}") from None

@@ -23,15 +23,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from ..options import ARTIFACT_RUNTIMES as RUNTIMES
 from ..options import NATIVE_RUNTIME as NATIVE  # the runtime of the file's kind (KINDS -> REQUIRES)
 from ..options import WEB_RUNTIMES  # harness.backends.onnxruntime_web's backends
-from . import Backend, get_backend
+from ..plumbing.deferred import deferred_import
+from ..plumbing.errors import UsageError
 from ..plumbing.files import content_key, sha256_file_cached as sha256_file
+from . import Backend, get_backend
 from .onnx_child import run_onnx
 from .onnxruntime_web import NPM_PACKAGE, browser_missing, chromium_version, ort_web_version, webgpu_missing
 from .tvm_library import run_library
-from ..plumbing.errors import UsageError
+
+# imported at their first use (harness.plumbing.deferred)
+ct = deferred_import("coremltools")
+et_runtime = deferred_import("executorch.runtime")
+onnx = deferred_import("onnx")
+tvm = deferred_import("tvm")
+relax = deferred_import("tvm.relax")
 
 PREFIX = "prebuilt:"
 KINDS = {".pte": "executorch", ".onnx": "onnx", ".so": "tvm", ".dylib": "tvm", ".dll": "tvm",
@@ -189,8 +200,6 @@ class PrebuiltBackend(Backend):
         """The file on onnxruntime-web in headless Chromium (harness.backends.onnxruntime_web.run_in_browser):
         inputs in the file's own order, cast to its declared dtypes as onnxruntime's CPU run casts
         them; `run_audit` is the browser backends' (onnxruntime-web, browser, adapter, placement)."""
-        import torch
-
         ins, _ = describe(artifact_path)
         feed = {}
         for port, t in zip(ins, inputs):
@@ -216,8 +225,6 @@ _EXTERNAL: dict[tuple, list[str]] = {}
 
 
 def _external_data(path: Path) -> list[str]:
-    import onnx
-
     model = onnx.load(str(path), load_external_data=False)
     found = []
     for t in model.graph.initializer:
@@ -254,8 +261,6 @@ def describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
 def _describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
     kind, path = kind_of(path), str(path)
     if kind == "onnx":
-        import onnx
-
         graph = onnx.load(path, load_external_data=False).graph
         init = {i.name for i in graph.initializer}
 
@@ -267,9 +272,7 @@ def _describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
 
         return [port(i) for i in graph.input if i.name not in init], [port(o) for o in graph.output]
     if kind == "executorch":
-        from executorch.runtime import Runtime
-
-        meta = Runtime.get().load_program(path).metadata("forward")
+        meta = et_runtime.Runtime.get().load_program(path).metadata("forward")
 
         def et_port(info) -> Port:
             return Port(None, tuple(info.sizes()), _et_dtype(str(info.dtype())))
@@ -277,13 +280,9 @@ def _describe(path: str | Path) -> tuple[list[Port], list[Port] | None]:
         return ([et_port(meta.input_tensor_meta(i)) for i in range(meta.num_inputs())],
                 [et_port(meta.output_tensor_meta(i)) for i in range(meta.num_outputs())])
     if kind == "tvm":
-        import tvm
-        from tvm import relax
-
         vm = relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())
         n = vm._get_function_arity("main")
         return [Port(vm._get_function_param_name("main", i), None) for i in range(n)], None
-    import coremltools as ct
 
     spec = ct.utils.load_spec(path)
     ins, outs = ([Port(f.name, tuple(f.type.multiArrayType.shape) or None, _ml_dtype(f.type)) for f in features]
@@ -299,7 +298,6 @@ def _ml_dtype(feature_type) -> str | None:
     the chain casts to it (text_mask as float32, ids as int32)."""
     if feature_type.WhichOneof("Type") != "multiArrayType":
         return None
-    import coremltools as ct
 
     name = ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(feature_type.multiArrayType.dataType)
     return _ML_DTYPES.get(name)
@@ -340,14 +338,9 @@ def ports_from_job(value: dict) -> tuple[list[Port], list[Port] | None]:
 
 def run_artifact(path: str | Path, inputs: list) -> list:
     """Run an artifact on tensors in its own input order (cast to its declared dtypes)."""
-    import numpy as np
-    import torch
-
     kind, path = kind_of(path), Path(path)
     if kind == "executorch":
-        from executorch.runtime import Runtime
-
-        program = Runtime.get().load_program(str(path))
+        program = et_runtime.Runtime.get().load_program(str(path))
         meta = program.metadata("forward")
         casts = [getattr(torch, _et_dtype(str(meta.input_tensor_meta(i).dtype())), None)
                  for i in range(meta.num_inputs())]
@@ -357,7 +350,6 @@ def run_artifact(path: str | Path, inputs: list) -> list:
         return [torch.from_numpy(o) for o in run_onnx(path, [t.detach().cpu().numpy() for t in inputs])]
     if kind == "tvm":
         return run_library(path, inputs)
-    import coremltools as ct
 
     model = ct.models.MLModel(str(path))
     spec = model.get_spec()

@@ -9,9 +9,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from . import COMMON_PATCHES, Backend, Workaround  # noqa: F401 - COMMON_PATCHES: onnx, coreml, fp16 import it here
 from .cost import AUDIO_SECONDS, LSTM_STEPS, CostLaw
 from .tvm_library import TARGET, build_library, run_library  # noqa: F401 - build_library: onnx imports it here
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+relax = deferred_import("tvm.relax")
+relax_torch = deferred_import("tvm.relax.frontend.torch")
+relax_ep_translator = deferred_import("tvm.relax.frontend.torch.exported_program_translator")
+
 # harness.patches.frontends: rewrites of spots the Relax frontend mistranslates
 TVM_PATCHES = ("stft_phase_where",)
 
@@ -21,8 +30,9 @@ def _clamp_int_safe(node, importer):
     limit. TVM 0.27 uses +-inf, and legalizing clip on int64 then fails with "Cannot convert
     infinity to BigInt" (torch's linear-interpolation decomposition in SineGen does
     `(x + 1).clamp(max=n - 1)` on int64 indices). Exact: the bound it adds cannot bind."""
+    # pasted into repro.py (repro_source): what it uses, it imports itself; the tvm extra
     import numpy as np
-    from tvm import relax
+    from tvm import relax  # optional runtime: the tvm extra
 
     x = importer.env[node.args[0]]
     dtype = str(x.ty.dtype)
@@ -61,9 +71,7 @@ def converter_fixes(disabled=()) -> dict:
 
 def frontend_gaps(program) -> dict:
     """Ops of `program` (after the Core ATen decomposition the frontend runs) without a converter."""
-    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
-
-    convert_map = ExportedProgramImporter().create_convert_map()
+    convert_map = relax_ep_translator.ExportedProgramImporter().create_convert_map()
     ops = Counter(n.target.__name__ for n in program.run_decompositions().graph.nodes
                   if n.op == "call_function")
     return {"ops_without_converter": {k: v for k, v in sorted(ops.items()) if k not in convert_map},
@@ -119,17 +127,12 @@ class TvmBackend(Backend):
         return tvm_version() + self.workaround_tag()
 
     def audit(self, program_path: Path) -> dict:
-        import torch
-
         return frontend_gaps(torch.export.load(str(program_path)))
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        import torch
-        from tvm.relax.frontend.torch import from_exported_program
-
         start = time.perf_counter()
         fixes = converter_fixes(self.disabled_workarounds())
-        mod = from_exported_program(torch.export.load(str(program_path)), custom_convert_map=fixes)
+        mod = relax_torch.from_exported_program(torch.export.load(str(program_path)), custom_convert_map=fixes)
         import_s = time.perf_counter() - start
         build_library(mod, out_dir / self.artifact_name)
         return {"import_s": import_s, "build_s": time.perf_counter() - start - import_s, "target": TARGET,

@@ -6,25 +6,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+tvm = deferred_import("tvm")
+relax = deferred_import("tvm.relax")
+
 TARGET = "llvm"
 
 
 def build_library(mod, out_path: Path) -> None:
     """relax.build for the llvm target, exported as a shared library (needs a C compiler)."""
-    import tvm  # optional runtime: the tvm extra
-    from tvm import relax
-
     with tvm.transform.PassContext(opt_level=3):
         executable = relax.build(mod, target=TARGET)
     executable.export_library(str(out_path))
 
 
 def run_library(path: Path, inputs: list) -> list:
-    import numpy as np
-    import torch
-    import tvm  # optional runtime: the tvm extra
-    from tvm import relax
-
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
     args = [tvm.runtime.tensor(np.ascontiguousarray(t.detach().cpu().numpy())) for t in inputs]
     out = vm["main"](*args)

@@ -16,6 +16,10 @@ from torch.export import Dim
 
 from .executorch import EXECUTORCH_PATCHES, XnnpackBackend, _delegation
 from .fp16 import _to_dtype
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+exir = deferred_import("executorch.exir")
 
 
 def half_program(program):
@@ -46,11 +50,8 @@ class XnnpackFp16Backend(XnnpackBackend):
     description = "ExecuTorch XNNPACK on the program cast to float16 (judged by the float16 floor)"
 
     def compile(self, program_path: Path, out_dir: Path) -> dict:
-        # optional runtime: executorch extra
-        from executorch.exir import to_edge_transform_and_lower
-
         program = half_program(torch.export.load(str(program_path)))
-        edge = to_edge_transform_and_lower(program, partitioner=self.partitioners())
+        edge = exir.to_edge_transform_and_lower(program, partitioner=self.partitioners())
         audit = {"program_dtype": "float16", **_delegation(edge)}
         (out_dir / self.artifact_name).write_bytes(edge.to_executorch().buffer)
         return audit

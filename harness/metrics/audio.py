@@ -66,7 +66,14 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.plumbing.deferred import deferred_import
 from harness.plumbing.files import atomic_write
+
+# imported at their first use (harness.plumbing.deferred): a record's reader, the dashboard and the
+# report import this module and compute no metric
+librosa = deferred_import("librosa")
+pesq_lib = deferred_import("pesq")
+soxr = deferred_import("soxr")
 
 __all__ = [
     "DYNAMIC_RANGE_DB",
@@ -219,9 +226,6 @@ def _pesq(p: _Pair, sample_rate: int) -> Result:
     if not np.any(p.ref) or not np.any(p.cand):
         # the pesq wrapper divides by the joint peak and the C code finds no utterance anyway
         return NAN, "pesq: no utterance (reference or candidate is all zeros)"
-    # heavy runtime: audio metric, imported when computed
-    import pesq as pesq_lib
-    import soxr
 
     ref, cand = p.ref, p.cand
     if sample_rate != PESQ_RATE:
@@ -271,9 +275,6 @@ def _import_pysptk():
 
 def _frames_power(x: np.ndarray, n_fft: int, hop: int, win: int) -> np.ndarray:
     """|STFT|^2, frames on axis 0 (librosa.stft, Hann, centred with reflect padding)."""
-    # heavy runtime: audio metric, imported when computed
-    import librosa
-
     spec = librosa.stft(x, n_fft=n_fft, hop_length=hop, win_length=win, window="hann",
                         center=True, pad_mode="reflect")
     return (np.abs(spec) ** 2).T
@@ -331,9 +332,6 @@ def _mcd(p: _Pair, sample_rate: int, order: int, dtw: bool) -> Result:
     c_ref = mel_cepstrum(p.ref, sample_rate, order=order)[:, 1:]
     c_cand = mel_cepstrum(p.cand, sample_rate, order=order)[:, 1:]
     if dtw:
-        # heavy runtime: audio metric, imported when computed
-        import librosa
-
         _, path = librosa.sequence.dtw(X=c_ref.T, Y=c_cand.T, metric="euclidean")
         c_ref, c_cand = c_ref[path[:, 0]], c_cand[path[:, 1]]
     dist = _MCD_K * np.sqrt(np.sum((c_ref - c_cand) ** 2, axis=1))
@@ -352,9 +350,6 @@ def mcd_db(reference, candidate, sample_rate: int = 24000, *, order: int = MCD_O
 # ----------------------------------------------------------------------------- log-mel
 
 def _logmel(x: np.ndarray, sample_rate: int) -> np.ndarray:
-    # heavy runtime: audio metric, imported when computed
-    import librosa
-
     mel = librosa.feature.melspectrogram(
         y=x, sr=sample_rate, n_fft=1024, hop_length=int(round(0.010 * sample_rate)), win_length=1024,
         window="hann", center=True, pad_mode="reflect", power=2.0, n_mels=80, fmin=0.0, fmax=sample_rate / 2)

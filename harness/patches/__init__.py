@@ -225,7 +225,7 @@ def _text_encoder_forward(self, x, input_lengths, m):
 
 
 def _duration_encoder_forward(self, x, style, text_lengths, m):
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.modules import AdaLayerNorm
 
     x = x.permute(2, 0, 1)
@@ -290,7 +290,7 @@ def swap_lstms(model: nn.Module, impl: str | None = None) -> None:
 @patch("custom_stft", False, "torch.stft/istft are complex and outside the Core ATen set; kokoro's "
        "CustomSTFT does them with convolutions (replicate padding instead of reflect)", affects=VOCODER_STEPS)
 def _custom_stft(model: nn.Module) -> None:
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.custom_stft import CustomSTFT
 
     gen = model.decoder.generator

@@ -40,7 +40,7 @@ def _custom_stft_transform(self, waveform: torch.Tensor):
        "Relax rejects (index tensor dtype bool), and its `&` an op coremltools cannot lower; "
        "torch.where and logical_and compute the same", same_function=True)
 def _stft_phase_where(model: nn.Module) -> None:
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.custom_stft import CustomSTFT
 
     stft = model.decoder.generator.stft
@@ -62,7 +62,7 @@ def _adain_resblk_forward(self, x, s):
 @patch("rsqrt_float_const", True, "the decoder's `rsqrt(torch.tensor(2))` is an int constant that "
        "coremltools does not promote (rsqrt of int32 fails); rsqrt(tensor(2.0)) is the same value", same_function=True)
 def _rsqrt_float_const(model: nn.Module) -> None:
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.istftnet import AdainResBlk1d
 
     for m in model.modules():

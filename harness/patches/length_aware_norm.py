@@ -195,7 +195,7 @@ def istft_envelope_like_exact(stft: nn.Module, audio: torch.Tensor, frame_length
     """torch.istft divides by the window envelope of all frames; the exact run's last samples
     (those the first padded frame overlaps) have only the valid frames'. Rescale them; the other
     samples are left bit for bit. CustomSTFT's inverse has no envelope: nothing to do."""
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.istftnet import TorchSTFT
 
     if not isinstance(stft, TorchSTFT):
@@ -266,7 +266,7 @@ def _bind(module: nn.Module, forward) -> None:
 
 def apply_length_aware_norm(model: nn.Module) -> None:
     """Bind the length-aware forwards on `model` (a KModel copy); parameters are untouched."""
-    # heavy: kokoro's import takes seconds (transformers); only when a model is built
+    # slow: kokoro's import takes seconds (transformers); only when a model is built
     from kokoro.istftnet import AdainResBlk1d, AdaINResBlock1
 
     for m in model.modules():

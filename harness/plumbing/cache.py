@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 from .errors import UsageError
+from .deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+filelock = deferred_import("filelock")
+platformdirs = deferred_import("platformdirs")
 
 CACHE_ENV = "KOKORO_PARITY_CACHE"
 MAX_GB_ENV = "KOKORO_PARITY_CACHE_MAX_GB"
@@ -32,10 +37,7 @@ RECENT_S = 3600.0  # an entry used this recently may be in use by another proces
 def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV)
     if not root:
-        # target side: a run target has only torch, numpy and its runtime
-        from platformdirs import user_cache_dir
-
-        root = user_cache_dir("kokoro-parity")
+        root = platformdirs.user_cache_dir("kokoro-parity")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -43,11 +45,8 @@ def cache_dir() -> Path:
 
 @contextlib.contextmanager
 def lock(path: Path) -> Iterator[None]:
-    # target side: a run target has only torch, numpy and its runtime
-    from filelock import FileLock
-
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with filelock.FileLock(str(path) + ".lock"):
         yield
 
 
@@ -134,9 +133,6 @@ def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
     Also removes leftovers of builds that died (temporary `.KEY.*` directories) once they are older
     than `recent_s`. An entry somebody is building or removing (its lock is held) is skipped.
     """
-    # target side: a run target has only torch, numpy and its runtime
-    from filelock import FileLock, Timeout
-
     limit = max_bytes() if limit_bytes is None else limit_bytes
     now = time.time()
     root = cache_dir()
@@ -147,10 +143,10 @@ def prune(limit_bytes: int | None = None, recent_s: float = RECENT_S) -> Pruned:
     def remove(path: Path, lock_path: Path) -> int:
         """Bytes freed, or 0 when somebody holds the lock (building or removing it)."""
         try:
-            with FileLock(str(lock_path), timeout=0):
+            with filelock.FileLock(str(lock_path), timeout=0):
                 size = _tree_bytes(path)
                 shutil.rmtree(path, ignore_errors=True)
-        except Timeout:
+        except filelock.Timeout:
             return 0
         removed.append(path)
         return size

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from .deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+torch = deferred_import("torch")
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -75,9 +79,6 @@ def content_key(*parts: Any) -> str:
 
 def tensors_digest(values: dict) -> str:
     """sha256 of named tensors' names, dtypes, shapes and bytes: the inputs' part of a cache key."""
-    # torch-free: the warm worker and harness.backends.onnx_child import this module
-    import torch
-
     h = hashlib.sha256()
     for k in sorted(values):
         t = values[k].detach().contiguous().cpu()
@@ -94,9 +95,6 @@ def canonical(t):
     strides and then rejects an op whose inputs' dim orders differ ("3 input tensors have different
     dim orders", XNNPACK: "Propagating input shapes failed"). Every tensor a job receives is made
     canonical here."""
-    # torch-free: the warm worker and harness.backends.onnx_child import this module
-    import torch
-
     return torch.empty(t.shape, dtype=t.dtype).copy_(t) if t.stride() != _row_major(t.shape) else t
 
 
@@ -111,9 +109,6 @@ def _row_major(shape) -> tuple[int, ...]:
 def save_tensors(path: str | os.PathLike, tensors) -> Path:
     """Save a list (or the values of a dict) of tensors atomically, each with canonical strides:
     the inputs file of an export, compile or run job."""
-    # torch-free: the warm worker and harness.backends.onnx_child import this module
-    import torch
-
     values = list(tensors.values()) if isinstance(tensors, dict) else list(tensors)
     return atomic_write(path, lambda f: torch.save([canonical(t) for t in values], f))
 

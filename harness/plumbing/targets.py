@@ -52,6 +52,12 @@ from . import cache, jobs, worker
 from .files import atomic_write_bytes, atomic_write_json, content_key
 from .jobs import JobResult, first_error_line, run_job
 from .errors import UsageError
+from .deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+platformdirs = deferred_import("platformdirs")
+pydantic = deferred_import("pydantic")
+yaml = deferred_import("yaml")
 
 TARGETS_ENV = "KOKORO_PARITY_TARGETS"  # path of the targets file
 FILE_NAME = "targets.yaml"
@@ -81,36 +87,35 @@ class TransportError(Exception):
 
 def _models():
     """pydantic models, built on first use (the remote side of a job never imports pydantic)."""
-    # target side: a run target has only torch, numpy and its runtime
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class LocalSpec(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class LocalSpec(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
         kind: Literal["local"] = "local"
 
-    class SshSpec(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class SshSpec(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
         kind: Literal["ssh"]
-        host: str = Field(min_length=1, description="host name, address or ~/.ssh/config alias")
+        host: str = pydantic.Field(min_length=1, description="host name, address or ~/.ssh/config alias")
         user: str | None = None
-        port: int | None = Field(default=None, ge=1, le=65535)
+        port: int | None = pydantic.Field(default=None, ge=1, le=65535)
         identity_file: str | None = None  # a path; the key itself never enters this file
-        python: str = Field(default="python3", min_length=1, description="the target's Python (a venv's bin/python)")
-        work_dir: str = Field(default=".kokoro-parity", min_length=1,
-                              description="the target's directory (relative: to the remote home)")
+        python: str = pydantic.Field(default="python3", min_length=1,
+                                     description="the target's Python (a venv's bin/python)")
+        work_dir: str = pydantic.Field(default=".kokoro-parity", min_length=1,
+                                       description="the target's directory (relative: to the remote home)")
         known_hosts: str | None = None  # then StrictHostKeyChecking=yes against this file only
         ssh_config: str | None = None  # ssh -F (`none`: no configuration file)
-        ssh_options: list[str] = Field(default_factory=list, description="extra `-o Key=Value` options")
-        connect_timeout_s: float = Field(default=10, gt=0)
-        multiplex: bool = Field(default=True, description="one SSH connection for a session's jobs (ControlMaster)")
-        cache_max_gb: float = Field(default=20, gt=0)
-        env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
+        ssh_options: list[str] = pydantic.Field(default_factory=list, description="extra `-o Key=Value` options")
+        connect_timeout_s: float = pydantic.Field(default=10, gt=0)
+        multiplex: bool = pydantic.Field(default=True,
+                                         description="one SSH connection for a session's jobs (ControlMaster)")
+        cache_max_gb: float = pydantic.Field(default=20, gt=0)
+        env: dict[Annotated[str, pydantic.Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = pydantic.Field(
             default_factory=dict, description="environment of the target's jobs: thread counts, CPU kernel pins "
                                               "(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS)")
 
-    class TargetsFile(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        targets: dict[str, Annotated[Union[LocalSpec, SshSpec], Field(discriminator="kind")]]
+    class TargetsFile(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        targets: dict[str, Annotated[Union[LocalSpec, SshSpec], pydantic.Field(discriminator="kind")]]
 
     return LocalSpec, SshSpec, TargetsFile
 
@@ -123,10 +128,8 @@ def targets_file(explicit: str | os.PathLike | None = None) -> Path | None:
         if not path.is_file():
             raise TargetError(f"{path}: targets file not found")
         return path
-    # target side: a run target has only torch, numpy and its runtime
-    from platformdirs import user_config_dir
 
-    for path in (Path.cwd() / FILE_NAME, Path(user_config_dir("kokoro-parity")) / FILE_NAME):
+    for path in (Path.cwd() / FILE_NAME, Path(platformdirs.user_config_dir("kokoro-parity")) / FILE_NAME):
         if path.is_file():
             return path
     return None
@@ -134,10 +137,6 @@ def targets_file(explicit: str | os.PathLike | None = None) -> Path | None:
 
 def load_specs(path: str | os.PathLike | None = None) -> dict[str, Any]:
     """name -> validated spec; `local` is always there. Errors name the file and the field."""
-    # target side: a run target has only torch, numpy and its runtime
-    import yaml
-    from pydantic import ValidationError
-
     LocalSpec, _, TargetsFile = _models()
     found = targets_file(path)
     specs: dict[str, Any] = {}
@@ -148,7 +147,7 @@ def load_specs(path: str | os.PathLike | None = None) -> dict[str, Any]:
             raise TargetError(f"{found}: not valid YAML: {first_error_line(e)}") from None
         try:
             specs = dict(TargetsFile.model_validate(raw if raw is not None else {"targets": {}}).targets)
-        except ValidationError as e:
+        except pydantic.ValidationError as e:
             problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if not str(p).startswith(('LocalSpec', 'SshSpec')) and p not in ('local', 'ssh')) or '(top level)'}: {err['msg']}"
                                  for err in e.errors())
             raise TargetError(f"{found}: {problems}") from None

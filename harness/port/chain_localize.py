@@ -24,6 +24,8 @@ import functools
 from pathlib import Path
 from types import SimpleNamespace
 
+import onnx
+
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
 from .onnx_stages import localize, native_localization, stage_lines
@@ -117,8 +119,6 @@ def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, 
     """A chain's ONNX stage fed the reference's tensors at its boundary: the Kokoro modules of
     `ran` (model_modules) its node names reach, each judged chained and locally
     (onnx_steps.localize_modules)."""
-    import onnx  # a runtime package (the faces import no runtime)
-
     traces = session.traces(item.case)
     roots = step_roots(ran["order"])
     model = onnx.load(str(path), load_external_data=False)

@@ -30,6 +30,10 @@ from ..backends.prebuilt import describe
 from ..patches import apply_patches
 from ..plumbing.files import atomic_write_text
 from ..plumbing.errors import UsageError
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+ct = deferred_import("coremltools")
 
 # the ONNX export's patches, plus the coreml-* backends' frontend fixes that apply to these stages
 # (ExactSTFT needs no `stft_phase_where`): rsqrt of an int constant
@@ -93,8 +97,6 @@ def convert_stage(module: nn.Module, stage: splits.StageDef, args: tuple, path: 
     coreml backends' inference IR (without the graph fixes named in `disabled`), ct.convert to an
     iOS17 mlprogram whose inputs and outputs carry the stage's names. ConversionError with the
     converter's message when it fails."""
-    import coremltools as ct
-
 
     # torch.export records each example input's dim order; a transposed one (the reference's `d`)
     # is refused ("Core ML does not have general support for non-contiguous dim order"): an app

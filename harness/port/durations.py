@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import torch
 
 from ..plumbing.files import content_key
@@ -32,8 +33,6 @@ class FoundDurations:
 def found_durations(port: Port, stage: StageSpec, work: Path) -> FoundDurations | None:
     """The stage's durations tensor and its two copies (written under `work` once per artifact
     content), or None: not a one-file ONNX stage, it outputs its durations itself, or it has none."""
-    import onnx
-
     if stage.step is not None or stage.buckets or not (stage.artifact or "").lower().endswith(".onnx"):
         return None
     if any(r.tensor in ("pred_dur", "duration") for r in stage.outputs.values()):
@@ -62,8 +61,6 @@ def found_durations(port: Port, stage: StageSpec, work: Path) -> FoundDurations 
 def _type(model, tensor: str) -> tuple[int, int | None]:
     """The durations tensor's element type (float when shape inference does not say: Round's) and
     rank (None when unknown)."""
-    import onnx
-
     inferred = onnx.shape_inference.infer_shapes(model).graph
     for v in (*inferred.value_info, *inferred.output):
         if v.name == tensor:
@@ -74,8 +71,6 @@ def _type(model, tensor: str) -> tuple[int, int | None]:
 
 def _set_rank(path: Path, tensor: str, rank: int | None) -> None:
     """The forced input declares the durations' rank (symbolic sizes), so they are fed in it."""
-    import onnx
-
     if rank is None:
         return
     model = onnx.load(str(path))

@@ -264,7 +264,7 @@ def _settle(options: list[list], state: dict, attempt) -> None:
 def _quiet_runtime():
     """onnxruntime logs every failed run as an error: a wrong candidate's run is expected to fail."""
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # runtime: its logger, where it is installed
     except ImportError:
         yield
         return

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 
@@ -74,7 +75,6 @@ def is_int8(artifact: Path) -> bool:
     """An ONNX with integer matmuls/convolutions (dynamic quantization) is an int8 artifact."""
     if artifact.suffix.lower() != ".onnx":
         return False
-    import onnx  # optional runtime package (the onnx extra): only an ONNX artifact needs it
 
     ops = {n.op_type for n in onnx.load(str(artifact), load_external_data=False).graph.node}
     return bool(ops & {"MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",

@@ -22,17 +22,18 @@ import copy
 import math
 from pathlib import Path
 
+import onnx
 import torch
 
-from ..plumbing import cache
-from ..plumbing.files import atomic_write, content_key
-from . import tensors
-from .onnx_graph import draws_noise
 from ..metrics.audio import audio_metrics
 from ..model import SAMPLES_PER_FRAME
 from ..patches import apply_patches, sample_noise, to_float64
+from ..plumbing import cache
+from ..plumbing.files import atomic_write, content_key
 from ..reference import REFERENCE_PATCHES, numerics
 from ..steps import get_step
+from . import tensors
+from .onnx_graph import draws_noise
 
 BAND_VERSION = 1
 DEFAULT_K = 16
@@ -97,7 +98,6 @@ def stage_noise(stage, root: Path) -> str:
     files = stage.files(root)
     if not files or files[0].suffix.lower() != ".onnx" or not files[0].is_file():
         return "own"
-    import onnx
 
     return "own" if any(draws_noise(onnx.load(str(f), load_external_data=False)) for f in files) else "none"
 

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+import onnx
+
 from ..onnx_rebuild import _node_path
 from ..plumbing.errors import UsageError
 
@@ -38,8 +40,6 @@ def durations_tensor(model) -> str | None:
 
 def marked_copy(src: Path, dest: Path, tensors: list[str]) -> Path:
     """The ONNX with `tensors` added as graph outputs (types left to onnxruntime)."""
-    import onnx
-
     model = onnx.load(str(src))
     have = {o.name for o in model.graph.output}
     for t in tensors:
@@ -52,8 +52,7 @@ def marked_copy(src: Path, dest: Path, tensors: list[str]) -> Path:
 
 
 def run_onnx(path: Path, feed: dict, outputs: list[str] | None = None) -> dict:
-    import numpy as np
-    import onnxruntime as ort
+    import onnxruntime as ort  # runtime: the faces load this module and import no runtime
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
@@ -78,8 +77,6 @@ def depends_on_inputs(model) -> set[str]:
 
 def force_input(src: Path, dest: Path, tensor: str, dtype) -> Path:
     """A copy of the ONNX where `tensor` is a graph input: its producing node is removed."""
-    import onnx
-
     model = onnx.load(str(src))
     nodes = [n for n in model.graph.node if tensor not in n.output]
     del model.graph.node[:]
@@ -94,8 +91,6 @@ def given_copy(src: Path, dest: Path, tensor: str, dtype) -> tuple[Path, str]:
     """A copy of the ONNX where every consumer of `tensor` reads a new graph input instead (its
     name returned): a value fed in place of one the graph computes. Unlike `force_input`, the
     producer stays, so a node with several outputs (an LSTM's Y, Y_h, Y_c) keeps the others."""
-    import onnx
-
     model = onnx.load(str(src))
     given = f"{tensor}:given"
     for n in model.graph.node:
@@ -115,8 +110,6 @@ def given_copy(src: Path, dest: Path, tensor: str, dtype) -> tuple[Path, str]:
 def seeded_copy(src: Path, dest: Path, seed: float = 1.0) -> Path:
     """A copy whose random ops draw from fixed seeds (each its own), so that two runs of it, or of
     copies made from it, draw the same numbers."""
-    import onnx
-
     model = onnx.load(str(src))
     for i, n in enumerate(x for x in model.graph.node if x.op_type in RANDOM_OPS):
         kept = [a for a in n.attribute if a.name != "seed"]

@@ -22,20 +22,31 @@ first.
 """
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from ..backends.prebuilt import NATIVE
+from ..metrics import fmt
+from ..metrics.audio import audio_metrics
 from ..metrics.tensor import compare_to_floor, error_metrics
+from ..patches import apply_patches, provide_noise, sample_noise, to_float64
 from ..plumbing.bundle import write_bundle_dir
+from ..plumbing.files import atomic_write
+from ..plumbing.jobs import run_job
+from ..reference import REFERENCE_PATCHES
+from ..verdict import band_comparator, comparator
 from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error
-from .differences import nonfinite
+from .differences import difference_kind, nonfinite
 from .matching import best_layout, layouts, rel_l2
-from .onnx_graph import (RANDOM_OPS, depends_on_inputs, draws_noise, durations_tensor, force_input,  # noqa: F401
-                         marked_copy, node_module, run_onnx, seeded_copy)
+from .noise import DIRECTIONS, noise_band, session_k
+from .onnx_graph import (depends_on_inputs, draws_noise, durations_tensor, force_input, given_copy, marked_copy,
+                         node_module, run_onnx, seeded_copy)
+from .tensors import reference as tensor_ref
 
 # (module path, what it is). Deterministic unless the artifact draws its own noise from
 # decoder.generator.m_source on (then the audio band judges the end).
@@ -125,8 +136,6 @@ def float_boundaries(model, groups: dict) -> dict:
 
 def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     """Job function (child process): mark, run, extract and run each stage locally."""
-    import onnx
-
     ref = torch.load(reference_path, weights_only=False)
     out_dir = Path(out_dir)
     model = onnx.load(artifact, load_external_data=False)
@@ -254,8 +263,6 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
 
 def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path) -> dict:
     """The module's subgraph (inputs `feed`, output `tensor`) cut out of the artifact and run."""
-    import onnx
-
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
         feed.setdefault(k, v)
     where.mkdir(parents=True, exist_ok=True)
@@ -276,12 +283,6 @@ def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path
 
 def reference_captures(model, traces, zero_noise: bool) -> dict:
     """fp32 and fp64 module outputs (and fp32 inputs) of Kokoro's forward_with_tokens on the case."""
-    import copy
-
-    from ..patches import apply_patches, provide_noise, to_float64
-    from ..reference import REFERENCE_PATCHES
-    from .tensors import reference as tensor_ref
-
     km32 = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
     km64 = to_float64(copy.deepcopy(km32))
     chain = traces.chain
@@ -332,8 +333,6 @@ OTHER_DRAW_SEED = 1_000_003  # the source's second noise draw: its envelope's ow
 def other_draw(km, f0: torch.Tensor) -> torch.Tensor:
     """Kokoro's harmonic source on its captured input with another draw of its noise: how far its
     output moves by noise alone (what an artifact that draws its own is judged against)."""
-    from ..patches import provide_noise, sample_noise
-
     with provide_noise(sample_noise(OTHER_DRAW_SEED, f0.shape[1])):
         out = km.decoder.generator.m_source(f0)
     return (out[0] if isinstance(out, (tuple, list)) else out).detach()
@@ -361,9 +360,6 @@ def source_inputs(km, seen: dict) -> list[tuple[str, torch.Tensor]]:
 def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path):
     """The ONNX side of a localization in a child process (a crashing onnxruntime stays there): the
     reference written beside it, then (job result, the job's stage rows or None)."""
-    from ..plumbing.files import atomic_write
-    from ..plumbing.jobs import run_job
-
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "reference.pt", lambda f: torch.save(ref, f))
     result = run_job(job, dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"),
@@ -373,10 +369,6 @@ def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path
 
 def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log=print) -> dict:
     """Run the localization of one whole-model ONNX on one case; fills `rec.bisect`."""
-    import onnx
-
-    from ..verdict import comparator
-
     traces = session.traces(case_id)
     noisy = draws_noise(onnx.load(str(artifact), load_external_data=False))
     ref = reference_captures(session.model, traces, zero_noise=not noisy)
@@ -444,8 +436,6 @@ def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict
     """A stage that draws its own noise, run locally: its amplitude envelope against the
     reference's, with the envelope of another noise draw of the reference as the floor (rel L2,
     the item's rule on it); a NaN or Inf fails and says so."""
-    from .differences import difference_kind
-
     value = torch.as_tensor(np.asarray(local)).reshape(-1)
     bad = nonfinite(value)
     got, want, floor = envelope(local), envelope(r32), envelope(other)
@@ -494,9 +484,6 @@ def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
 def run_effects(session, given: dict, run_dir: Path) -> dict:
     """{stage: (audio with its own value fed, audio with its error taken out)}, the artifact run
     in a child process as the stages ran; a stage whose runs fail is left out."""
-    from ..plumbing.files import atomic_write
-    from ..plumbing.jobs import run_job
-
     atomic_write(run_dir / "given.pt", lambda f: torch.save(given, f))
     result = run_job("harness.port.onnx_stages:effects_job", dict(out_dir=str(run_dir)), run_dir / "effects",
                      session.limits.run_s * 4)
@@ -506,8 +493,6 @@ def run_effects(session, given: dict, run_dir: Path) -> dict:
 def effects_job(out_dir: str) -> dict:
     """Job function (child process): per stage, the artifact (its random ops seeded) run twice
     with that stage's tensor fed: its own chained value, then the value without its error."""
-    from .onnx_graph import given_copy, seeded_copy
-
     out = Path(out_dir)
     run = torch.load(out / "run.pt", weights_only=False)
     given = torch.load(out / "given.pt", weights_only=False)
@@ -529,8 +514,6 @@ def effects_job(out_dir: str) -> dict:
 def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, check, stochastic=lambda role: False):
     """Fill `entry["chained"]` and `entry["local"]` (rel L2, its fp32 floor, ok, kind of difference)
     from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it)."""
-    from .differences import difference_kind, nonfinite
-
     for role in ("chained", "local"):
         value = row.get(role)
         if value is None:
@@ -555,9 +538,6 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
 
 def band_rows(session, case_id: str, traces, audio, tol) -> dict:
     """Audio metrics of `audio` (the reference durations forced) against the noise band."""
-    from ..metrics.audio import audio_metrics
-    from .noise import noise_band, session_k
-
     band = noise_band(session.model, session.cases[case_id], traces, session_k(session))
     am = audio_metrics(traces.chain["audio"][0].double().numpy(), np.asarray(audio, dtype=np.float64).reshape(-1))
     return judge_band(audio, am, band["band"], tol)
@@ -566,9 +546,6 @@ def band_rows(session, case_id: str, traces, audio, tol) -> dict:
 def judge_band(audio, am: dict, bands: dict, tol) -> dict:
     """Each band metric of `audio` (`am`) against its noise band: a NaN or Inf in the audio, or a
     non-finite metric whose band is finite, fails and is said first (`nonfinite` leads the dict)."""
-    from ..verdict import band_comparator
-    from .noise import DIRECTIONS
-
     check = band_comparator(tol)
     out = {}
     bad = nonfinite(torch.as_tensor(np.asarray(audio, dtype=np.float64)).reshape(-1))
@@ -593,8 +570,6 @@ def row_sub(rows: dict, path: str):
 
 
 def stage_lines(b: dict) -> list[str]:
-    from ..metrics import fmt
-
     if "step" in b or "port_stage" in b:  # one step's artifact, a chain's stage (harness/port/onnx_steps.py)
         what = f"step {b['step']}" if "step" in b else f"stage {b['port_stage']!r} of a chain"
         lines = [f"stages inside {Path(b['artifact']).name} ({what}; {b['names']}):"]

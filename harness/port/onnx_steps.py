@@ -25,6 +25,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import onnx
 import torch
 
 from ..backends.prebuilt import NATIVE, kind_of
@@ -249,8 +250,6 @@ def _place_unnamed(model, where: list) -> list[str]:
 
 def localize_step_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     """Job function (child process): place the nodes, mark, run, extract and run each stage."""
-    import onnx
-
 
     ref = torch.load(reference_path, weights_only=False)
     out = Path(out_dir)

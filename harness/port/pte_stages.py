@@ -44,6 +44,12 @@ from ..verdict import comparator
 from .differences import difference_kind
 from .matching import best_layout
 from .onnx_stages import stage_lines
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+et_devtools = deferred_import("executorch.devtools")
+et_numerical_comparator = deferred_import("executorch.devtools.inspector.numerical_comparator")
+et_portable_lib = deferred_import("executorch.extension.pybindings.portable_lib")
 
 MAX_DEPTH = 3  # module levels below the step's module kept in the table (the first failing one always)
 DEBUG_BUFFER_SLACK = 1.5  # the debug buffer: the graph's activations, times this, plus 16 MB
@@ -88,26 +94,23 @@ def _activation_bytes(etrecord) -> int:
 def etdump_job(artifact: str, etrecord: str, inputs_path: str, out_dir: str) -> dict:
     """Job function: run the .pte once with ETDump and intermediate outputs, read them with the
     ETRecord, write one row per runtime operator (module stacks, first output) to events.pt."""
-    from executorch.devtools import Inspector, parse_etrecord
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch
-
     warnings.filterwarnings("ignore")  # the Inspector warns once per unsupported kwarg of every node
     logging.getLogger("executorch").setLevel(logging.ERROR)
     out = Path(out_dir)
-    record = parse_etrecord(etrecord)
+    record = et_devtools.parse_etrecord(etrecord)
     buffer_size = int(_activation_bytes(record) * DEBUG_BUFFER_SLACK) + (16 << 20)
     if buffer_size > MAX_DEBUG_BUFFER:
         raise RuntimeError(f"every operator's output of this program takes {buffer_size / 2**30:.1f} GiB of debug "
                            f"buffer (at most {MAX_DEBUG_BUFFER / 2**30:.0f} GiB): localize on a shorter case")
     inputs = [t.contiguous() for t in torch.load(inputs_path, weights_only=True)]
-    module = _load_for_executorch(artifact, enable_etdump=True, debug_buffer_size=buffer_size)
+    module = et_portable_lib._load_for_executorch(artifact, enable_etdump=True, debug_buffer_size=buffer_size)
     module.forward(inputs)
     if not module.has_etdump():
         raise RuntimeError("this ExecuTorch build records no ETDump (ExecuTorchModule.has_etdump() is False)")
     module.write_etdump_result_to_file(str(out / "etdump.etdp"), str(out / "debug.bin"))
     record.update_representative_inputs([inputs])  # calculate_numeric_gap runs the exported graph on these
-    inspector = Inspector(etdump_path=str(out / "etdump.etdp"), etrecord=record,
-                          debug_buffer_path=str(out / "debug.bin"))
+    inspector = et_devtools.Inspector(etdump_path=str(out / "etdump.etdp"), etrecord=record,
+                                      debug_buffer_path=str(out / "debug.bin"))
     rows, seen = [], set()
     delegated_ops = 0
     for block in inspector.event_blocks:
@@ -161,9 +164,7 @@ def _relative_l2_comparator():
     """ExecuTorch's comparator interface with relative L2 (the harness's metric), NaN where the
     runtime's and the graph's outputs differ in size: the built-in MSE raises there, which ends the
     whole comparison (merged debug handles of an unrolled LSTM pair a 1024- with a 2048-value tensor)."""
-    from executorch.devtools.inspector.numerical_comparator import NumericalComparatorBase
-
-    class RelativeL2(NumericalComparatorBase):
+    class RelativeL2(et_numerical_comparator.NumericalComparatorBase):
         def element_compare(self, a, b) -> float:
             if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.numel() != b.numel():
                 return math.nan

@@ -23,17 +23,18 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..steps import BertStep, DurationStageStep, F0NStep, TextEncoderStep
-from . import tensors
 from ..backends.prebuilt import describe
 from ..model import build_empty_kmodel
 from ..patches import apply_patches, provide_noise
-from ..plumbing.files import atomic_write_text
 from ..plumbing.errors import UsageError
+from ..plumbing.files import atomic_write_text
+from ..steps import BertStep, DurationStageStep, F0NStep, TextEncoderStep
+from . import tensors
 
 # The patches every exported stage needs: noise as inputs, no dropout, weight_norm folded, the
 # LSTMs unpacked (exact at batch 1 on exact lengths).
@@ -494,8 +495,6 @@ def export_stage(module: nn.Module, stage: StageDef, args: tuple, path: Path) ->
 
 
 def _seed_dropouts(path: Path) -> None:
-    import onnx
-
     model = onnx.load(str(path))
     masks = [n for n in model.graph.node if n.op_type == "RandomUniformLike"]
     if not masks:

@@ -9,8 +9,13 @@ Kokoro's layout (`run`), and how to build the rewrite's model from a given Kokor
 each mapped module the float64 reference's captured inputs at its boundary (cast to float32) and
 judges its output against the float64 reference with torch float32's own error as the floor.
 
-A user's adapter is a Python file defining `ADAPTER` (an `Adapter` instance); its `modules` are
-checked against Kokoro's module paths before anything runs (`resolve_modules`).
+Where a module is a composition, the adapter may map its sub-callables too (`calls`: a Kokoro
+module path and one of its methods, such as the generator's inverse STFT
+`decoder.generator.stft.inverse`): each is judged like a module, and the module that fails is
+named with the sub-callable inside it that leaves its floor.
+
+A user's adapter is a Python file defining `ADAPTER` (an `Adapter` instance); its `modules` and
+`calls` are checked against Kokoro's module paths before anything runs (`resolve_modules`).
 """
 from __future__ import annotations
 
@@ -32,10 +37,12 @@ class RewriteError(UsageError):
 
 @dataclass(frozen=True)
 class Mapped:
-    """One Kokoro module the rewrite maps: its path and the adapter's calling convention for it."""
+    """One Kokoro module the rewrite maps: its path and the adapter's calling convention for it;
+    `inside`: for a sub-callable (`module.method`), the module path that holds it."""
 
     path: str
     convention: str
+    inside: str | None = None
 
 
 class Adapter:
@@ -43,6 +50,8 @@ class Adapter:
 
     - `modules`: {Kokoro module path or pattern: convention}; the conventions are the adapter's
       own names (the mlx-audio adapter's: `call`, `conv`, `weighted_conv`, ...).
+    - `calls`: {Kokoro module path + "." + method: convention}: sub-callables, called by `run`
+      with that path like modules (not in `chained`'s conventions).
     - `missing()`: why the rewrite cannot run here (its package is absent), or None.
     - `load(kmodel)`: the rewrite's model holding the weights of kokoro's `KModel` `kmodel`.
     - `run(model, path, convention, args, kwargs)`: call the counterpart of Kokoro's module
@@ -64,6 +73,7 @@ class Adapter:
 
     name: str = "rewrite"
     modules: dict[str, str] = {}
+    calls: dict[str, str] = {}
 
     def missing(self) -> str | None:
         return None
@@ -105,7 +115,25 @@ def resolve_modules(adapter: Adapter, paths: tuple[str, ...], source: str) -> li
                                   "; top-level modules: bert, bert_encoder, predictor, text_encoder, decoder"))
         for p in hits:
             found.setdefault(p, convention)
-    return [Mapped(p, found[p]) for p in paths if p in found]
+    mapped = [Mapped(p, found[p]) for p in paths if p in found]
+    return mapped + resolve_calls(adapter, paths, source)
+
+
+def resolve_calls(adapter: Adapter, paths: tuple[str, ...], source: str) -> list[Mapped]:
+    """The adapter's `calls`: each a method of a Kokoro module (`decoder.generator.stft.inverse`);
+    a module path Kokoro does not have is one RewriteError naming `source`, the field and the
+    nearest module paths (whether the method exists is checked where the reference calls it)."""
+    if not isinstance(adapter.calls, dict):
+        raise RewriteError(f"{source}: field 'calls': a dict of Kokoro module path + '.' + method -> convention")
+    out = []
+    for key, convention in adapter.calls.items():
+        module, _, method = str(key).rpartition(".")
+        if module not in paths or not method.isidentifier():
+            near = difflib.get_close_matches(module, paths, n=4, cutoff=0.6)
+            raise RewriteError(f"{source}: field 'calls': {key!r} is not a Kokoro module path and one of its "
+                               f"methods" + (f"; nearest modules: {', '.join(near)}" if near else ""))
+        out.append(Mapped(key, convention, inside=module))
+    return out
 
 
 def matches(path: str, pattern: str) -> bool:

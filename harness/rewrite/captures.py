@@ -11,7 +11,8 @@ own rounding, not the error the chain accumulated before it. Modules come back i
 forward passes *end* (children before their parent), so the first row that leaves its floor is the
 innermost module with the defect.
 A PackedSequence (Kokoro packs its LSTMs' inputs) is unpacked: at batch 1 on exact lengths it is
-the whole sequence.
+the whole sequence. A sub-callable (`decoder.generator.stft.inverse`: a method, which no forward
+hook sees) is captured by wrapping that method on the module for the run.
 """
 from __future__ import annotations
 
@@ -98,6 +99,39 @@ def nbytes(value) -> int:
     return 0
 
 
+def callable_at(model: torch.nn.Module, path: str):
+    """The module at `path`, or the bound method a sub-callable's path names (`module.method`)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        owner_path, _, method = path.rpartition(".")
+        owner = model.get_submodule(owner_path)
+        found = getattr(owner, method, None)
+        if not callable(found):
+            raise UsageError(f"sub-callable {path!r}: Kokoro's {type(owner).__name__} at {owner_path!r} has no "
+                             f"method {method!r}") from None
+        return found
+
+
+class _MethodHook:
+    """`before` and `after` around one method of one module (an instance attribute over its
+    class's method), with the `remove()` of a hook handle."""
+
+    def __init__(self, owner: torch.nn.Module, method: str, before, after):
+        real = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            before(owner, args, kwargs)
+            out = real(*args, **kwargs)
+            after(owner, args, kwargs, out)
+            return out
+        self.owner, self.method = owner, method
+        setattr(owner, method, wrapped)
+
+    def remove(self) -> None:
+        delattr(self.owner, self.method)
+
+
 def module_io(km32, km64, traces, paths: list[str], consume: Callable[[ModuleIO], None]) -> int:
     """Call `consume` on each of `paths` with its float64 inputs and output and its float32 floor
     output, in the order their forward passes end, from inside the forward pass that captured
@@ -128,10 +162,12 @@ def module_io(km32, km64, traces, paths: list[str], consume: Callable[[ModuleIO]
                 peak = max(peak, nbytes(held) + nbytes((io.out64, io.out32)))
                 del held[path]
                 consume(io)
+            if not isinstance(sub, torch.nn.Module):  # a sub-callable: its method wrapped
+                return [_MethodHook(sub.__self__, path.rpartition('.')[2], before, after)]
             return [sub.register_forward_pre_hook(before, with_kwargs=True),
                     sub.register_forward_hook(after, with_kwargs=True)]
 
-        with registered(h for p in by_step[step] for h in hooks(p, km64.get_submodule(p))), torch.no_grad():
+        with registered(h for p in by_step[step] for h in hooks(p, callable_at(km64, p))), torch.no_grad():
             get_step(step).module(km64)(*inputs.values())
         never = [p for p in by_step[step] if p not in done]
         if never:  # a mapped module with no row would be a module never judged, and nobody told
@@ -142,5 +178,5 @@ def module_io(km32, km64, traces, paths: list[str], consume: Callable[[ModuleIO]
 def floor_of(km32, path: str, args: tuple, kwargs: dict, out64: torch.Tensor, noise: dict) -> ModuleIO:
     """The module's captures with torch float32's own output on them cast (its floor)."""
     with torch.no_grad(), provide_noise({k: v.float() for k, v in noise.items()}):
-        out32 = first(km32.get_submodule(path)(*map(cast32, args), **{k: cast32(v) for k, v in kwargs.items()}))
+        out32 = first(callable_at(km32, path)(*map(cast32, args), **{k: cast32(v) for k, v in kwargs.items()}))
     return ModuleIO(path, args, kwargs, out64, out32, noise)

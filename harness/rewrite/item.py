@@ -7,7 +7,8 @@ torch float32's own error on the same inputs as the floor (harness.rewrite.captu
 are the port table's (`rec.stages`, printed by `report.port_lines`); the reason names the first
 module, in the order their forward passes end (innermost first), whose local error leaves its
 floor, with the kind of difference (harness.port.differences), and writes that module's repro
-bundle (harness.rewrite.repro). Then the rewrite's own pipeline
+bundle (harness.rewrite.repro); where the adapter maps sub-callables of that module (its inverse
+STFT), the first of them that leaves its floor is named inside it. Then the rewrite's own pipeline
 (its own noise, its own durations) is judged like a whole-model artifact: durations exactly, the
 audio against the spread the reference's audio has over noise seeds.
 """
@@ -98,13 +99,27 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
     failures = [f"{path}: {m['why']}; {m['kind']}" for path, m in defects]
     failures += judge_pipeline(session, item, model, traces, tol, rec)
     if failures:
-        first = (f"first module whose local error leaves its floor: {defects[0][0]!r} "
-                 f"({defects[0][1]['kind']}); " if defects else "")
+        first = first_defect(item, defects)
         rec.verdict, rec.reason = Verdict.FAIL, first + "; ".join(failures)
     else:
         rec.verdict, rec.reason = Verdict.PASS, f"{len(rec.stages)} modules within their floor" + \
             "".join(f"; {k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v)
     return session.finish(rec)
+
+
+def first_defect(item: RewriteItem, defects: list[tuple[str, dict]]) -> str:
+    """The reason's head: the first module (not sub-callable) that leaves its floor, in the order
+    forward passes end, and inside it the first of its sub-callables that does."""
+    if not defects:
+        return ""
+    inside = {m.path: m.inside for m in item.mapped if m.inside}
+    modules = [d for d in defects if d[0] not in inside] or defects
+    path, m = modules[0]
+    text = f"first module whose local error leaves its floor: {path!r} ({m['kind']})"
+    held = [(p, c) for p, c in defects if p in inside and (inside[p] == path or inside[p].startswith(path + "."))]
+    if held:
+        text += f"; inside it: {held[0][0]!r} ({held[0][1]['kind']})"
+    return text + "; "
 
 
 def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[tuple[str, dict]]:
@@ -113,20 +128,25 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
     pipeline judges the chain end to end); the modules whose error leaves the floor, in the order
     their forward passes end."""
     conventions = {m.path: m.convention for m in item.mapped}
+    inside = {m.path: m.inside for m in item.mapped if m.inside}
     km32, km64 = reference_models(session.model.kmodel)
     defects = []
     with tempfile.TemporaryDirectory(prefix="kokoro-parity-chain-") as where:
-        chain, why = rewrite_chain(session, item, model, traces, conventions, Path(where))
+        modules = {p: c for p, c in conventions.items() if p not in inside}  # the chain saves modules' outputs
+        chain, why = rewrite_chain(session, item, model, traces, modules, Path(where))
         if why:
             rec.audit["rewrite"]["chain"] = why
 
         def judge(io) -> None:
             m, seconds = judge_one(item, model, conventions[io.path], io, tol)
-            ch = chained_metrics(chain.get(io.path), io, why)
+            ch = chained_metrics(chain.get(io.path), io, why or ("a sub-callable: judged locally only"
+                                                                 if io.path in inside else ""))
             rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32",
                                "run_s": seconds, "local_ok": m["ok"], "chained_ok": True,
-                               "outputs": {"out": {"local": m, "chained": ch}}})
-            if not m["ok"] and not defects:  # the first failing module: its bundle, while its captures are here
+                               "outputs": {"out": {"local": m, "chained": ch}},
+                               **({"inside": inside[io.path]} if io.path in inside else {})})
+            if not m["ok"] and io.path not in inside and "module" not in (rec.bisect or {}):
+                # the first failing module: its bundle, while its captures are here
                 rec.bisect = {"kind": "rewrite", "module": io.path,
                               **first_repro(session, item, model, conventions[io.path], io, m, tol)}
             if not m["ok"]:

@@ -25,6 +25,13 @@ import torch
 
 from .adapter import Adapter
 from ..architecture import kokoro_config
+from ..plumbing.deferred import deferred_import
+
+# imported at their first use (harness.plumbing.deferred)
+mx = deferred_import("mlx.core")
+mlx_utils = deferred_import("mlx.utils")
+mlx_kokoro = deferred_import("mlx_audio.tts.models.kokoro.kokoro")
+mlx_call = deferred_import("harness.rewrite.mlx_call")  # imports mlx at its top; copied whole into bundles
 
 PACKAGES = ("mlx", "mlx_audio")
 INSTALL = "pip install -e '.[mlx]'"
@@ -77,28 +84,30 @@ MODULES = {
     "decoder.generator.resblocks.*.adain[12].*": "call",
     "decoder.generator.conv_post": "weighted_conv",
 }
+# Sub-callables: the generator's STFT of the harmonic source and its inverse STFT of the output
+# (both sides' `transform(x) -> (magnitude, phase)` and `inverse(magnitude, phase)`, Kokoro's layout).
+CALLS = {
+    "decoder.generator.stft.transform": "call",
+    "decoder.generator.stft.inverse": "call",
+}
 
 
 class MlxAudio(Adapter):
     name = "mlx-audio"
     modules = MODULES
+    calls = CALLS
 
     def missing(self) -> str | None:
         absent = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
         return f"{' and '.join(absent)} not installed ({INSTALL})" if absent else None
 
     def load(self, kmodel: torch.nn.Module):
-        # optional runtime: mlx-audio (the `mlx` extra)
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-        from mlx_audio.tts.models.kokoro.kokoro import Model, ModelConfig
-
-        model = Model(ModelConfig.from_dict({**kmodel_config(kmodel)}))
+        model = mlx_kokoro.Model(mlx_kokoro.ModelConfig.from_dict({**kmodel_config(kmodel)}))
         weights = {f"{top}.{k}": mx.array(v.detach().float().numpy())
                    for top in ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
                    for k, v in getattr(kmodel, top).state_dict().items()}
         weights = model.sanitize(weights)
-        wanted = dict(tree_flatten(model.parameters()))
+        wanted = dict(mlx_utils.tree_flatten(model.parameters()))
         dropped = {k: v for k, v in weights.items() if k not in wanted}
         model.load_weights([(k, v) for k, v in weights.items() if k in wanted], strict=True)
         mx.eval(model.parameters())
@@ -107,8 +116,6 @@ class MlxAudio(Adapter):
         return model
 
     def run(self, model, path: str, convention: str, args: tuple, kwargs: dict) -> torch.Tensor:
-        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
-
         out = mlx_call.call(mlx_call.counterpart(model, path), path, convention,
                             [to_numpy(v) for v in args], {k: to_numpy(v) for k, v in kwargs.items()})
         return torch.from_numpy(out)
@@ -116,16 +123,12 @@ class MlxAudio(Adapter):
     @contextlib.contextmanager
     def noise(self, values: dict[str, torch.Tensor]) -> Iterator[None]:
         """Kokoro's noise drawn in place of mlx-audio's (`mlx_call.kokoro_noise`)."""
-        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
-
         with mlx_call.kokoro_noise({k: v.float().numpy() for k, v in values.items()}):
             yield
 
     def repro(self, model, path: str, convention: str, out_dir: Path) -> dict:
         """The module's weights as this adapter loaded them and the model's config; the bundle's
         runner is `mlx_call.py`, the file the adapter itself calls modules through."""
-        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
-
         mlx_call.save_module(model, path, kokoro_config(), out_dir)
         shutil.copyfile(mlx_call.__file__, out_dir / "mlx_call.py")
         return {"runner": "mlx_call", "packages": ["numpy", "mlx", "mlx_audio"],
@@ -137,16 +140,11 @@ class MlxAudio(Adapter):
     def chained(self, model, phonemes: str, ref_s: torch.Tensor, speed: float, noise: dict, conventions: dict,
                 save) -> bool:
         """mlx-audio's own forward pass with Kokoro's noise, each mapped module's first output saved."""
-        from . import mlx_call  # optional runtime: mlx-audio (the `mlx` extra)
-
         with mlx_call.intermediates(model, conventions, save), self.noise(noise):
             model(phonemes, mlx_call.mx.array(ref_s.float().numpy()), speed=speed)
         return True
 
     def synthesize(self, model, phonemes: str, ref_s: torch.Tensor, speed: float):
-        # optional runtime: mlx-audio (the `mlx` extra)
-        import mlx.core as mx
-
         out = model(phonemes, mx.array(ref_s.float().numpy()), speed=speed, return_output=True)
         return (torch.from_numpy(np.array(out.audio.astype(mx.float32))).reshape(-1),
                 torch.from_numpy(np.array(out.pred_dur)).long().reshape(-1))

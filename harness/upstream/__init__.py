@@ -19,7 +19,7 @@ and fails when a defect does not reproduce. `check_bundles`
 (the nightly re-check) only runs the existing bundles' repro.py.
 
 The defects are data (catalog.yaml, read by catalog.py), their minimal programs and runtime checks
-live in programs.py and checks.py, the report texts in templates/, and bundle.py writes and runs.
+live in programs.py and checks/ (read as source), the report texts in templates/, and bundle.py writes and runs.
 """
 from .bundle import (BLOCKED, CANNOT_RUN, CHANGED, FIXED, REPRODUCED, STATUS, build_bundle, check_bundles,
                      default_dir, main, readme_md, readme_row, report_md, repro_source, run_isolated,

@@ -24,6 +24,7 @@ import torch
 from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write_text
 from ..repro import _cpu
+from . import checks
 from .catalog import BY_NAME, DEFECTS, SEARCHED, Defect
 from ..plumbing.errors import UsageError
 
@@ -42,11 +43,19 @@ def _template(name: str) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
+TEMPLATE_IMPORTS = ("import sys", "from pathlib import Path", "import numpy as np", "import torch")
+
+
 def repro_source(d: Defect) -> str:
-    helpers = "".join(inspect.getsource(f) + "\n\n" for f in d.helpers)
-    helpers += inspect.getsource(d.check).replace(f"def {d.check.__name__}(", "def check(", 1) + "\n"
+    """repro.py: the template, the imports the defect's check needs (a missing runtime exits 2
+    before anything runs) and the check with what it calls (harness.upstream.checks)."""
+    imports = checks.imports_for(d.check, TEMPLATE_IMPORTS)
+    block = ("\ntry:  # the runtime under test: without it, this cannot run here (exit 2)\n"
+             + "".join(f"    {line}\n" for line in imports)
+             + "except ImportError as e:\n    print(f\"cannot run here: {e}\")\n    sys.exit(2)\n") if imports else ""
     return (_template("repro.py.in").replace("@TITLE@", d.title).replace("@RUNTIME@", d.runtime)
-            .replace("@MODULE@", d.module).replace("@SIGNATURE@", repr(d.signature)).replace("@HELPERS@", helpers))
+            .replace("@MODULE@", d.module).replace("@SIGNATURE@", repr(d.signature)).replace("@IMPORTS@", block)
+            .replace("@HELPERS@", checks.source_for(d.check) + "\n"))
 
 
 def _version(dist: str) -> str:
@@ -170,7 +179,13 @@ def _minimal_code(d: Defect) -> str:
     return (f"```python\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\n"
             f"{inspect.getsource(cls).rstrip()}\n\n\n"
             f"# inputs: {shapes} (inputs.pt)\nprogram = torch.export.export({cls.__name__}().eval(), inputs)\n```\n"
-            f"then, as `repro.py` does:\n```python\n{textwrap.dedent(inspect.getsource(d.check)).rstrip()}\n```\n")
+            f"then, as `repro.py` does:\n```python\n{_check_code(d.check)}\n```\n")
+
+
+def _check_code(check: str) -> str:
+    """The check as REPORT.md shows it: the imports it uses, then its function."""
+    imports = "".join(f"{line}\n" for line in checks.imports_for(check, ("import torch",)))
+    return (imports + "\n\n" if imports else "") + checks.function_source(check).rstrip()
 
 
 def report_md(d: Defect, result: dict) -> str:

@@ -1,19 +1,19 @@
 """The catalog of runtime defects (catalog.yaml): one entry per upstream repro bundle.
 
 Data, not code: a new defect is an entry naming its minimal program (programs.py) and its runtime
-check (checks.py); the entry's fields are validated here, and a bad one is an error naming the
-entry and the field.
+check (a function of checks/, by name); the entry's fields are validated here, and a bad one is
+an error naming the entry and the field.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .checks import CHECKS, HELPERS
+from .checks import check_names
 from .programs import PROGRAMS
 from ..plumbing.errors import UsageError
 
@@ -41,13 +41,12 @@ class _Entry(BaseModel):
     kind: Literal["convert", "delegation", "numerics", "run", "scaling"]
     signature: str
     program: Literal[tuple(PROGRAMS)]
-    check: Literal[tuple(CHECKS)]
+    check: Literal[tuple(check_names())]
     source: _Source
     op: str
     workaround: str
     tracker: str
     known: list[_Known] = []
-    helpers: list[Literal[tuple(HELPERS)]] = ["classify", "values_match"]
     onnx: bool = False
     expected: str = ""
     detail: str = ""
@@ -63,13 +62,12 @@ class Defect:
     kind: str  # convert | delegation | numerics | run | scaling
     signature: str  # the text (error message, op name) that is this defect
     program: Callable  # () -> (module, inputs): the minimal program
-    check: Callable  # (program, inputs, expected) -> (exit code, message), pasted into repro.py
+    check: str  # harness.upstream.checks: the check pasted into repro.py, with what it calls
     source: tuple[str, str]  # (file under site-packages, text on the line) where Kokoro meets it
     op: str  # the op in question
     workaround: str  # the harness's workaround that hides it (harness.backends.Workaround names)
     tracker: str  # where to report
     known: tuple[tuple[str, str], ...] = ()  # (link, what it is) found by searching the tracker
-    helpers: tuple[Callable, ...] = field(default=())  # pasted before the check
     onnx: bool = False  # the bundle also carries model.onnx
     expected: str = ""  # what a fixed runtime does, where the kind's usual sentence does not say it
     detail: str = ""  # what kokoro-parity measured of it (a paragraph at the end of REPORT.md)
@@ -90,11 +88,10 @@ def load_catalog(path: Path = CATALOG) -> tuple[str, list[Defect]]:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise UsageError(f"{path}: defect {name}: field {where}: {first['msg']}") from None
-        check, needs = CHECKS[e.check]
         defects.append(Defect(
-            e.name, e.title, e.runtime, e.module, e.kind, e.signature, PROGRAMS[e.program], check,
+            e.name, e.title, e.runtime, e.module, e.kind, e.signature, PROGRAMS[e.program], e.check,
             (e.source.file, e.source.line), e.op, e.workaround, e.tracker,
-            tuple((k.link, k.what) for k in e.known), tuple(HELPERS[h] for h in e.helpers) + needs,
+            tuple((k.link, k.what) for k in e.known),
             e.onnx, e.expected, e.detail, e.searched or searched))
     names = [d.name for d in defects]
     if len(set(names)) != len(names):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._higher_order_ops.scan import scan
 
 
 class AlbertPositions(nn.Module):
@@ -71,8 +72,6 @@ class ScanLSTMCell(nn.Module):
         self.hidden = hidden
 
     def forward(self, x, valid):
-        from torch._higher_order_ops.scan import scan
-
         H = self.hidden
 
         def step(carry, inputs):

@@ -192,7 +192,7 @@ def test_instance_norm_float64_stats_is_finite_on_tvm():
     from tvm.relax.frontend.torch import from_exported_program
 
     from harness.patches import PATCHES
-    from harness.upstream.checks import _tvm_run
+    from harness.upstream.checks.tvm_checks import _tvm_run
     from harness.upstream.programs import InstanceNorm, _long_channel
 
     module = InstanceNorm(1).eval()
@@ -220,7 +220,7 @@ def test_instance_norm_float64_stats_brings_tvm_onnx_to_pytorchs_error():
 
     from harness.backends import get_backend
     from harness.patches import PATCHES
-    from harness.upstream.checks import _tvm_run
+    from harness.upstream.checks.tvm_checks import _tvm_run
     from harness.upstream.programs import InstanceNorm
 
     assert "instance_norm_float64_stats" in get_backend("tvm-onnx").patches

@@ -40,6 +40,13 @@ def test_a_module_path_kokoro_does_not_have_names_the_file_the_field_and_the_nea
     msg = str(e.value)
     assert str(bad) in msg and "field 'modules'" in msg and "'decoder.generater.m_source'" in msg
     assert "decoder.generator.m_source" in msg.split("nearest:")[1]
+    calls = tmp_path / "calls.py"
+    calls.write_text("from harness.rewrite.adapter import Adapter\n\n"
+                     "class Mine(Adapter):\n    name = 'mine'\n    modules = {'decoder.generator': 'call'}\n"
+                     "    calls = {'decoder.generator.sftf.inverse': 'call'}\n\nADAPTER = Mine()\n")
+    with pytest.raises(RewriteError) as e:
+        resolve_modules(load_adapter(str(calls)), paths, str(calls))
+    assert "field 'calls'" in str(e.value) and "decoder.generator.stft" in str(e.value).split("nearest modules:")[1]
     none = tmp_path / "empty.py"
     none.write_text("x = 1\n")
     with pytest.raises(RewriteError, match=r"empty\.py: field 'ADAPTER'"):
@@ -155,15 +162,18 @@ def test_a_wrong_inverse_stft_normalization_is_named_at_the_generator_as_a_gain(
 
     real = istftnet.istft
     monkeypatch.setattr(istftnet, "istft", lambda *a, **kw: real(*a, **{**kw, "normalized": False}))
-    inside = (GENERATOR, f"{GENERATOR}.m_source", f"{GENERATOR}.ups.1", f"{GENERATOR}.conv_post")
+    inverse = f"{GENERATOR}.stft.inverse"  # a sub-callable of the generator, as is its STFT's transform
+    inside = (GENERATOR, f"{GENERATOR}.m_source", f"{GENERATOR}.ups.1", f"{GENERATOR}.conv_post",
+              f"{GENERATOR}.stft.transform", inverse)
     rec = run_rewrite_item(tiny, item_for(tiny, inside.__contains__, modules_only()))
     failing = [r["stage"] for r in rec.stages if not r["local_ok"]]
-    assert failing == [GENERATOR] and len(rec.stages) == 4, failing  # the modules inside it are within
+    assert failing == [inverse, GENERATOR] and len(rec.stages) == 6, failing  # the rest inside it is within
+    assert {r["stage"]: r.get("inside") for r in rec.stages}[inverse] == f"{GENERATOR}.stft"
     assert f"first module whose local error leaves its floor: '{GENERATOR}' (constant gain x0.74" in rec.reason
-    assert "-2.50 dB" in rec.reason
+    assert f"inside it: '{inverse}' (constant gain x0.75" in rec.reason and "-2.50 dB" in rec.reason
     # mlx-audio's own chain beside each row: drawing Kokoro's noise, its NSF source matches sample by
     # sample, and the generator's output carries the same gain
-    chained = {r["stage"]: r["outputs"]["out"]["chained"] for r in rec.stages}
+    chained = {r["stage"]: r["outputs"]["out"]["chained"] for r in rec.stages if "inside" not in r}
     assert all(c.get("rel_l2") is not None for c in chained.values()), chained
     assert chained[f"{GENERATOR}.m_source"]["rel_l2"] < 1e-5
     assert chained[GENERATOR]["kind"].startswith("constant gain x0.7"), chained[GENERATOR]

@@ -13,14 +13,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+try:  # the runtime under test: without it, this cannot run here (exit 2)
+    import coremltools as ct
+    import platform
+    import traceback
+except ImportError as e:
+    print(f"cannot run here: {e}")
+    sys.exit(2)
+
 HERE = Path(__file__).resolve().parent
 SIGNATURE = 'Unsupported fx node new_ones'  # the text that is this defect
 
 
 def classify(error):
     """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
-    import traceback
-
     text = f"{type(error).__name__}: {error}"
     frames = traceback.format_exception(type(error), error, error.__traceback__)
     print("".join(frames[-6:]).rstrip())
@@ -51,10 +57,6 @@ def values_match(program, inputs, expected, got, runtime):
 
 def check(program, inputs, expected):
     """coremltools: the ATen inference IR (run_decompositions({})) to an mlprogram, FLOAT32."""
-    import platform
-
-    import coremltools as ct
-
     try:
         model = ct.convert(program.run_decompositions({}), convert_to="mlprogram",
                            minimum_deployment_target=ct.target.iOS17, compute_precision=ct.precision.FLOAT32,

@@ -13,6 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+try:  # the runtime under test: without it, this cannot run here (exit 2)
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.graph_module import get_control_flow_submodules
+    from executorch.runtime import Runtime
+except ImportError as e:
+    print(f"cannot run here: {e}")
+    sys.exit(2)
+
 HERE = Path(__file__).resolve().parent
 SIGNATURE = 'scan'  # the text that is this defect
 
@@ -41,10 +50,6 @@ def check(program, inputs, expected):
     """ExecuTorch + XnnpackPartitioner on a program whose loop is torch's `scan` (SIGNATURE): are the
     ops of its body (the LSTM cell, run at every time step) delegated? to_backend lowers what a
     partitioner tags inside control-flow submodules; the stock partitioner tags the top-level graph."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.exir.graph_module import get_control_flow_submodules
-
     edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
     top = edge.exported_program().graph_module
 
@@ -75,7 +80,6 @@ def check(program, inputs, expected):
     if not delegated:
         return 1, (f"REPRODUCED: none of the {sum(outside.values())} ops of the {SIGNATURE} body is delegated: they "
                    f"run on portable kernels, one after another at each of the T={steps} steps")
-    from executorch.runtime import Runtime
 
     got = Runtime.get().load_program(edge.to_executorch().buffer).load_method("forward").execute(
         [t.contiguous() for t in inputs])

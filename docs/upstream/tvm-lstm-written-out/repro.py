@@ -13,8 +13,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
+try:  # the runtime under test: without it, this cannot run here (exit 2)
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+except ImportError as e:
+    print(f"cannot run here: {e}")
+    sys.exit(2)
+
 HERE = Path(__file__).resolve().parent
 SIGNATURE = 'bindings per time step'  # the text that is this defect
+
+
+def _tvm_run(mod, inputs):
+    with tvm.transform.PassContext(opt_level=3):
+        executable = relax.build(mod, target="llvm")
+    out = relax.VirtualMachine(executable, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
+
+    def flatten(v):
+        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
+    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
 
 
 def values_match(program, inputs, expected, got, runtime):
@@ -37,27 +56,9 @@ def values_match(program, inputs, expected, got, runtime):
     return 0, f"FIXED: {runtime} converts and matches float64 within 4 x PyTorch float32's error: {table}"
 
 
-def _tvm_run(mod, inputs):
-    import tvm
-    from tvm import relax
-
-    with tvm.transform.PassContext(opt_level=3):
-        executable = relax.build(mod, target="llvm")
-    out = relax.VirtualMachine(executable, tvm.cpu())["main"](
-        *[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
-
-    def flatten(v):
-        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
-    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
-
-
 def check(program, inputs, expected):
     """TVM Relax's from_exported_program on the same LSTM exported at T and at 4T: does the imported
     `main` grow with the time steps (the recurrence written out) or stay one loop?"""
-    import tvm
-    from tvm import relax
-    from tvm.relax.frontend.torch import from_exported_program
-
     x = inputs[0]
     module = program.module(check_guards=False)
     module.validate_inputs = False  # the same graph, re-exported at another length

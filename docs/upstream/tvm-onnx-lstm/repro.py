@@ -13,14 +13,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
+try:  # the runtime under test: without it, this cannot run here (exit 2)
+    import onnx
+    import traceback
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+except ImportError as e:
+    print(f"cannot run here: {e}")
+    sys.exit(2)
+
 HERE = Path(__file__).resolve().parent
 SIGNATURE = 'not supported for frontend ONNX: LSTM'  # the text that is this defect
 
 
+def _tvm_run(mod, inputs):
+    with tvm.transform.PassContext(opt_level=3):
+        executable = relax.build(mod, target="llvm")
+    out = relax.VirtualMachine(executable, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
+
+    def flatten(v):
+        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
+    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
+
+
 def classify(error):
     """The runtime raised: the defect when its message carries SIGNATURE, else a different failure."""
-    import traceback
-
     text = f"{type(error).__name__}: {error}"
     frames = traceback.format_exception(type(error), error, error.__traceback__)
     print("".join(frames[-6:]).rstrip())
@@ -49,26 +68,8 @@ def values_match(program, inputs, expected, got, runtime):
     return 0, f"FIXED: {runtime} converts and matches float64 within 4 x PyTorch float32's error: {table}"
 
 
-def _tvm_run(mod, inputs):
-    import tvm
-    from tvm import relax
-
-    with tvm.transform.PassContext(opt_level=3):
-        executable = relax.build(mod, target="llvm")
-    out = relax.VirtualMachine(executable, tvm.cpu())["main"](
-        *[tvm.runtime.tensor(np.ascontiguousarray(t.numpy())) for t in inputs])
-
-    def flatten(v):
-        return [v] if hasattr(v, "numpy") else [x for item in v for x in flatten(item)]
-    return [torch.from_numpy(np.array(o.numpy())) for o in flatten(out)]
-
-
 def check(program, inputs, expected):
     """TVM Relax's ONNX frontend on model.onnx (torch.onnx.export, dynamo, opset 18, of program.pt2)."""
-    import onnx
-    import tvm
-    from tvm.relax.frontend.onnx import from_onnx
-
     model = onnx.load(str(HERE / "model.onnx"))
     print("ONNX nodes:", [n.op_type for n in model.graph.node])
     try:
