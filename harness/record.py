@@ -13,7 +13,7 @@ import platform
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError, Field, TypeAdapter, field_validator, model_serializer
 
 from . import __version__
 from .plumbing.files import atomic_write_json
@@ -45,7 +45,7 @@ class Part(BaseModel):
     """A typed part of a record. Keys it does not name are kept (backends and localizers add their
     own), only the keys set are written, and it also reads like the dict it is written as, since
     the history and the dashboard read records as JSON dicts through the same helpers."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     @model_serializer(mode="wrap")
     def _set_only(self, handler):
@@ -188,6 +188,12 @@ Localization = Annotated[Union[Annotated[Bisection, Tag("bisect")], Annotated[On
                                Annotated[PortChain, Tag("port-chain")], Annotated[Unlocalized, Tag("error")]],
                          Discriminator(_localizer)]
 PortChain.model_rebuild()
+_LOCALIZATION = TypeAdapter(Localization | None)
+
+
+def localization(value: Any) -> Localization | None:
+    """A localization as its typed model, from a localizer's dict or a record's JSON ({}: none)."""
+    return _LOCALIZATION.validate_python(value or None)
 
 
 # ---- the record --------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ from .backends import audit_labels, backend_names
 from .metrics import fmt as _fmt
 from .port.onnx_stages import stage_lines
 from .port.pte_stages import pte_lines
-from .record import Record, backend_label
+from .port.chain_localize import chain_lines
+from .record import (Judged, NoiseBand, OnnxStages, PortChain, PteEtdump, Record, Rewrite, Unlocalized, backend_label,
+                     localization)
 from .steps import PIPELINE_STEP_NAMES
 
 
@@ -93,23 +95,23 @@ def port_lines(rec: Record) -> list[str]:
     lines = []
     if rec.stages:
         rows, defects = [], []
-        b = rec.bisect or {}
-        inside = None if len(rec.stages) != 1 else (
-            ", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
-            if len(b.get("defects") or ()) > 1 else b.get("first_stage"))
-        if b.get("kind") == "port-chain":  # a chain localized inside its stages (harness/port/chain_localize.py)
-            inside = ", ".join(f"{d['stage']}/{d['module']}" for d in b.get("defects") or ()) or None
+        b = rec.bisect
+        inside = None
+        if isinstance(b, PortChain):  # a chain localized inside its stages (harness/port/chain_localize.py)
+            inside = ", ".join(f"{d['stage']}/{d['module']}" for d in b.defects) or None
+        elif b is not None and len(rec.stages) == 1:  # a one-stage port: its stage's own localization
+            inside = (", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
+                      if len(b.get("defects") or ()) > 1 else b.get("first_stage"))
         for row in rec.stages:
-            bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
-            stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
-            for tensor, m in row["outputs"].items():
-                loc, ch = m["local"], m["chained"]
+            bucket = sorted({str(b) for b in (row.bucket or {}).values()})
+            stage = row.stage + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
+            for tensor, m in row.outputs.items():
+                loc, ch = m.local, m.chained
                 word = row_word(loc, ch)
-                if word == "DEFECT" and row["stage"] not in defects:
-                    defects.append(row["stage"])
-                kind = loc.get("kind", "") if word == "DEFECT" else ch.get("kind", "") or loc.get("kind", "")
-                rows.append([stage, tensor, _fmt(loc.get("rel_l2")), _fmt(loc.get("floor_rel_l2")),
-                             _fmt(ch.get("rel_l2")), word, kind])
+                if word == "DEFECT" and row.stage not in defects:
+                    defects.append(row.stage)
+                kind = loc.kind if word == "DEFECT" else ch.kind or loc.kind
+                rows.append([stage, tensor, _fmt(loc.rel_l2), _fmt(loc.floor_rel_l2), _fmt(ch.rel_l2), word, kind])
         lines.append(tabulate(rows, headers=["stage", "tensor", "local rel_l2", "floor", "chained rel_l2", "row",
                                              "kind of difference"], tablefmt="simple"))
         lines.append("row: within (its local error within its floor), DEFECT (its local error leaves it), "
@@ -118,35 +120,33 @@ def port_lines(rec: Record) -> list[str]:
             lines.append("defects (local error leaves its floor): " + ", ".join(
                 f"{d} (first)" if i == 0 and len(defects) > 1 else d for i, d in enumerate(defects))
                 + (f"; localized inside {'it' if len(rec.stages) == 1 else 'them'} to {inside}" if inside else ""))
-            ranked = sorted((r for r in rec.stages if r.get("defect")), key=lambda r: r["defect"]["rank"])
+            ranked = sorted((r for r in rec.stages if r.defect), key=lambda r: r.defect["rank"])
             if ranked:  # two defects or more in a chain (harness.port.chain.rank_chain_defects)
-                lines.append("ranked by audio effect: " + ", ".join(r["stage"] for r in ranked))
-    bands = {k: v for k, v in rec.bands.items() if "band" in v}
+                lines.append("ranked by audio effect: " + ", ".join(r.stage for r in ranked))
+    bands = {k: v for k, v in rec.bands.items() if isinstance(v, NoiseBand)}
     if bands:
-        rows = [[k, _fmt(v["value"]), f"[{_fmt(v['band'][0])}, {_fmt(v['band'][1])}]", v["direction"],
-                 "in" if v["ok"] else "OUTSIDE"] for k, v in bands.items()]
-        k = next(iter(bands.values())).get("k", "")
-        lines.append(f"audio against the noise band (K = {k} reference runs with other noise seeds):")
+        rows = [[k, _fmt(v.value), f"[{_fmt(v.band[0])}, {_fmt(v.band[1])}]", v.direction,
+                 "in" if v.ok else "OUTSIDE"] for k, v in bands.items()]
+        lines.append(f"audio against the noise band (K = {next(iter(bands.values())).k or ''} reference runs "
+                     "with other noise seeds):")
         lines.append(tabulate(rows, headers=["metric", "artifact", "noise band", "passes when", ""], tablefmt="simple"))
     z = rec.bands.get("zero_noise")
     if z:
-        lines.append(f"against the zero-noise reference, sample by sample: rel_l2 {_fmt(z['rel_l2'])}, "
-                     f"SNR {_fmt(z['snr_db'])} dB, {z['kind']}")
+        lines.append(f"against the zero-noise reference, sample by sample: rel_l2 {_fmt(z.rel_l2)}, "
+                     f"SNR {_fmt(z.snr_db)} dB, {z.kind}")
     return lines
 
 
-
-
-def row_word(local: dict, chained: dict) -> str:
+def row_word(local: Judged, chained: Judged) -> str:
     """One word for a stage output's row, meaning one thing: DEFECT (the local error leaves its
     floor: the stage's own), accumulated (within locally, the chained value leaves it: earlier
     stages' error), not judged (and why: the noise band judges a stage that draws its own noise), or
     within (both within). A NaN is never within: its row is a DEFECT or accumulated."""
-    if not local.get("ok", True):
+    if not local.ok:
         return "DEFECT"
-    if not chained.get("ok", True):
+    if not chained.ok:
         return "accumulated"
-    if str(local.get("why", "")).startswith("draws its own noise"):
+    if local.why.startswith("draws its own noise"):
         return "not judged: noise band"
     return "within"
 
@@ -223,20 +223,21 @@ def _cut_status(row: dict) -> str:
     return row["status"].upper() + (note if row["status"] == "pass" else "")
 
 
-def format_bisect(b: dict) -> str:
-    """The bisection's lines under an item's metric table."""
-    if b.get("kind") == "port-chain":  # harness/port/chain_localize.py
-        from .port.chain_localize import chain_lines
-
+def format_bisect(b) -> str:
+    """A localization's lines under an item's metric table (a dict is read as the record reads it)."""
+    b = localization(b)
+    if isinstance(b, PortChain):
         return "\n".join(chain_lines(b))
-    if b.get("kind") == "pte-etdump":  # harness/port/pte_stages.py
+    if isinstance(b, PteEtdump):
         return "\n".join(pte_lines(b))
-    if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
-        return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
-    if b.get("kind") == "rewrite":  # harness/rewrite: the first failing module's bundle
-        return f"repro of {b['module']}: {b.get('repro') or b.get('repro_error')}"
-    if b.get("status") == "error":
-        return f"bisect: could not run: {b.get('message')}"
+    if isinstance(b, OnnxStages):
+        return "\n".join(stage_lines(b))
+    if isinstance(b, Unlocalized):
+        return f"localization: {b.error}"
+    if isinstance(b, Rewrite):  # the first failing module's bundle
+        return f"repro of {b.module}: {b.repro or b.get('repro_error')}"
+    if b.status == "error":
+        return f"bisect: could not run: {b.message}"
     lines = []
     rows = b.get("modules") or []
     if rows:
