@@ -136,7 +136,13 @@ class Bisection(Part):
     repro: dict[str, Any] | None = None
 
 
-class OnnxStages(Part):
+class Tagged(Part):
+    """A localization that names its localizer: its `kind` is always written."""
+    def model_post_init(self, context: Any) -> None:
+        self.model_fields_set.add("kind")
+
+
+class OnnxStages(Tagged):
     """harness.port.onnx_stages / onnx_steps: an ONNX marked and cut at the model's module boundaries."""
     kind: Literal["onnx-stages"] = "onnx-stages"
     artifact: str = ""
@@ -146,14 +152,14 @@ class OnnxStages(Part):
     repro: str | None = None  # the bundle's directory
 
 
-class PteEtdump(Part):
+class PteEtdump(Tagged):
     """harness.port.pte_stages: a .pte run with ETDump, judged module by module."""
     kind: Literal["pte-etdump"] = "pte-etdump"
     artifact: str = ""
     repro: str | None = None
 
 
-class Rewrite(Part):
+class Rewrite(Tagged):
     """harness.rewrite: the first failing rewritten module's bundle."""
     kind: Literal["rewrite"] = "rewrite"
     module: str
@@ -162,11 +168,10 @@ class Rewrite(Part):
 
 class Unlocalized(Part):
     """A localization that could not run or does not apply: why."""
-    kind: Literal["error"] = "error"
     error: str
 
 
-class PortChain(Part):
+class PortChain(Tagged):
     """harness.port.chain_localize: each stage of a chain localized inside, and the defects found."""
     kind: Literal["port-chain"] = "port-chain"
     port: str
@@ -178,7 +183,7 @@ class PortChain(Part):
 def _localizer(v: Any) -> str:
     """Which localizer wrote it: its `kind`; harness.bisect's has none, an error only `error`."""
     if isinstance(v, Part):
-        return getattr(v, "kind", None) or "bisect"
+        return getattr(v, "kind", None) or ("error" if isinstance(v, Unlocalized) else "bisect")
     kind = v.get("kind")
     return kind or ("error" if "error" in v and "status" not in v else "bisect")
 
