@@ -2,7 +2,7 @@
 
 Records are what reports, history and dashboards read; nothing downstream re-runs anything. A record
 and its parts are pydantic models, so that a malformed file fails on load naming its field, and
-`Record.model_json_schema()` (`kokoro-parity schema`) is the written form's contract.
+`Record.model_json_schema()` (docs/record.schema.json) is the written form's contract.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import platform
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError, Field, TypeAdapter, field_validator, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Tag, ValidationError, Field, TypeAdapter, field_validator, model_serializer
 
 from . import __version__
 from .plumbing.files import atomic_write_json
@@ -37,14 +37,16 @@ def backend_label(backend: str, target: str | None = None) -> str:
 
 # ---- the parts ---------------------------------------------------------------------------------
 
-Figures = dict[str, Union[float, int, bool]]  # one output's metrics; "nan"/"inf" strings in JSON load as floats
+Figure = Annotated[Union[float, int, bool, str],  # "nan", "inf", "-inf" in JSON: the floats
+                   BeforeValidator(lambda v: float(v) if v in ("nan", "inf", "-inf") else v)]
+Figures = dict[str, Figure]  # one output's metrics (and a note or two, such as `floor_precision`)
 Metrics = dict[str, Figures]  # output name -> its figures
 
 
 class Part(BaseModel):
     """A typed part of a record. Keys it does not name are kept (backends and localizers add their
-    own), only the keys set are written, and it also reads like the dict it is written as, since
-    the history and the dashboard read records as JSON dicts through the same helpers."""
+    own) and only the keys set are written, so the JSON is what the dicts before it wrote; it also
+    reads like that dict (`get`, `[]`, `in`), since the table printers take a record's JSON too."""
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     @model_serializer(mode="wrap")

@@ -29,7 +29,7 @@ ITEM_TABLE_COLUMNS = (  # the metric columns of an item's table
 
 def precision_line(rec: Record) -> str | None:
     """A float16 item's two answers (harness.precision): within the float16 floor or not, shippable or not."""
-    if getattr(rec, "precision", "float32") != "float16" or rec.verdict.value not in ("pass", "fail"):
+    if rec.precision != "float16" or rec.verdict.value not in ("pass", "fail"):
         return None if rec.shippable is not False else f"not shippable: {rec.shippable_reason}"
     within = "within the float16 floor" if rec.verdict.value == "pass" else "not within the float16 floor"
     ship = {True: "shippable", False: "not shippable", None: "shippable: n/a"}[rec.shippable]
@@ -42,7 +42,7 @@ def shippable_cell(r: Record) -> str:
     """" shippable" / " not shippable" for a summary cell: float16 items always, others when not."""
     if r.verdict.value not in ("pass", "fail") or r.shippable is None:
         return ""
-    if getattr(r, "precision", "float32") == "float16":
+    if r.precision == "float16":
         return " shippable" if r.shippable else " not shippable"
     return "" if r.shippable else " not shippable"
 
@@ -177,7 +177,7 @@ def verdict_cell(r: Record) -> str:
     if nan_rate and r.verdict.value == "fail":  # a NaN output has no meaningful error figure
         cell += f" NaN {nan_rate:.0%}"
     elif worst is not None and r.verdict.value in ("pass", "fail"):
-        fp16 = " fp16" if getattr(r, "precision", "float32") == "float16" else ""  # harness.precision
+        fp16 = " fp16" if r.precision == "float16" else ""  # harness.precision
         ratio = worst.get("floor_ratio")
         # float16 eager non-finite (en_long's SineGen): there is no floor to be a multiple of
         nonfinite = _number(ratio) is not None and not math.isfinite(_number(ratio))
@@ -239,7 +239,7 @@ def format_bisect(b) -> str:
     if b.status == "error":
         return f"bisect: could not run: {b.message}"
     lines = []
-    rows = b.get("modules") or []
+    rows = b.modules or []
     if rows:
         lines.append(f"bisect, module stage ({len(rows)} module cuts judged, each with everything before it; "
                      f"{b.get('module_compiles', 0)} compiles):")
@@ -254,11 +254,11 @@ def format_bisect(b) -> str:
             lines.append(f"band: the same values on {band['backend']} ({band['status']}); "
                          f"{len(band.get('within_band') or [])} values beyond the rule but within it"
                          + (f": {band.get('why', '')[:160]}" if band["status"] not in ("pass", "fail") else ""))
-        lines.append(f"first failing module: {b.get('first_module') or 'none (every module cut passes)'}")
-    if b.get("status") != "localized":
-        lines.append(f"bisect: not localized: {b.get('message')}")
+        lines.append(f"first failing module: {b.first_module or 'none (every module cut passes)'}")
+    if b.status != "localized":
+        lines.append(f"bisect: not localized: {b.message}")
     else:
-        f = b["first_op"]
+        f = b.first_op
         lines.append(f"bisect: first diverging op `{f['node']}` ({f['op']}, {f['kind'].upper()}) "
                      f"in {f['module'] or '?'}")
         lines.append(f"  source: {f['source'] or '?'}")
@@ -277,7 +277,7 @@ def format_bisect(b) -> str:
     for p in b.get("probe_failures") or []:
         lines.append(f"  probe that could not run (not a divergence; a finding of its own): {p['label']} "
                      f"{p['status']}: {p.get('why', '')[:160]}")
-    r = b.get("repro")
+    r = b.repro
     if r:
         state = ("reproduces when run alone" if r.get("reproduces") else
                  f"repro.py exit code {r.get('exit_code')}" if "exit_code" in r else "not verified")

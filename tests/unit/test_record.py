@@ -83,7 +83,7 @@ def test_no_localization_is_written_as_an_empty_object():
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("metrics", {"out": {"rel_l2": "far"}}, "metrics.out.rel_l2"),
+    ("metrics", {"out": {"rel_l2": [1]}}, "metrics.out.rel_l2"),
     ("stages", [{"outputs": {}}], "stages.0.stage"),
     ("bands", {"pesq": {"value": 1.0}}, "bands.pesq"),
     ("verdict", "great", "verdict"),
