@@ -15,14 +15,6 @@ from .record import (Judged, NoiseBand, OnnxStages, PortChain, PteEtdump, Record
 from .steps import PIPELINE_STEP_NAMES
 
 
-def _number(value) -> float | None:
-    """A record's figure as a float (JSON keeps NaN as the string 'nan'), else None."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
 ITEM_TABLE_COLUMNS = (  # the metric columns of an item's table
     "nan_rate", "max_abs", "rel_l2", "floor_rel_l2", "floor_ratio", "cosine", "snr_db")
 
@@ -180,7 +172,7 @@ def verdict_cell(r: Record) -> str:
         fp16 = " fp16" if r.precision == "float16" else ""  # harness.precision
         ratio = worst.get("floor_ratio")
         # float16 eager non-finite (en_long's SineGen): there is no floor to be a multiple of
-        nonfinite = _number(ratio) is not None and not math.isfinite(_number(ratio))
+        nonfinite = isinstance(ratio, float) and not math.isfinite(ratio)  # a record's NaN is a float
         floor = f"{fp16.strip() or 'fp32'} floor non-finite" if nonfinite else f"{_fmt(ratio)}x{fp16} floor"
         cell += f" rel {_fmt(worst.get('rel_l2'))} ({floor})"
     audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
