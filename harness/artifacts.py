@@ -17,7 +17,7 @@ from .backends.prebuilt import NATIVE, PrebuiltBackend, describe as describe_por
 from .patches import canonical
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
-from .record import item_id
+from .record import Audit, item_id
 from .runner import Item, Resolved, failed
 from .steps import STEP_NAMES, get_step
 from .verdict import Verdict
@@ -114,7 +114,7 @@ def check_artifact(session, item: ArtifactItem):
     made ready by the one prebuilt sequence (`Session.prebuilt`) and run in a child process."""
     backend = PrebuiltBackend(item.path, item.runtime)
     rec = session.new_record(item, list(canonical(session.extra_patches)), backend)
-    rec.audit = {"artifact": str(backend.path), "kind": backend.kind}
+    rec.audit = Audit(artifact=str(backend.path), kind=backend.kind)
     ready = session.prebuilt(item.path, rec, session.report_dir / "runs" / item.id, runtime=item.runtime)
     if ready is None:
         return session.finish(rec)
@@ -134,7 +134,7 @@ def check_artifact(session, item: ArtifactItem):
         rec.reason = (f"artifact does not fit step {item.step!r}: {len(ready.outputs)} outputs, the step has "
                       f"{step.output_names}")
         return session.finish(rec)
-    rec.audit["input_mapping"] = dict(zip([p.name or f"#{i}" for i, p in enumerate(ready.inputs)], mapped))
+    rec.audit.input_mapping = dict(zip([p.name or f"#{i}" for i, p in enumerate(ready.inputs)], mapped))
     inputs = traces.inputs(item.step, item.mode, "float32")
     outputs = session.run_artifact(backend, ready.path, [inputs[n] for n in mapped], rec, item.id)
     if outputs is None:

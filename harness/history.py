@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 from . import __version__
 from .backends import get_backend
 from .plumbing.files import atomic_write_json, atomic_write_text
-from .record import SCHEMA as RECORD_SCHEMA, Record, _finite_json, item_id as record_item_id
+from .record import SCHEMA as RECORD_SCHEMA, SCHEMAS as RECORD_SCHEMAS, Record, _finite_json, item_id as record_item_id
 from .upstream import check_bundles
 from .verdict import Profile, Tolerance, Verdict
 from .plumbing.errors import UsageError
@@ -154,7 +154,7 @@ class Run:
 def _check_record(rec: Any, i: int) -> None:
     if not isinstance(rec, dict):
         raise HistoryError(f"record {i} is not an object")
-    if rec.get("schema") != RECORD_SCHEMA:
+    if rec.get("schema") not in RECORD_SCHEMAS:
         raise HistoryError(f"record {i}: schema {rec.get('schema')!r} is not {RECORD_SCHEMA!r}")
     missing = [k for k in ("case", "step", "backend", "mode", "verdict") if k not in rec]
     if missing:

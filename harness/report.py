@@ -9,16 +9,10 @@ from .backends import audit_labels, backend_names
 from .metrics import fmt as _fmt
 from .port.onnx_stages import stage_lines
 from .port.pte_stages import pte_lines
-from .record import Record, backend_label
+from .port.chain_localize import chain_lines
+from .record import (Judged, NoiseBand, OnnxStages, PortChain, PteEtdump, Record, Rewrite, Unlocalized, backend_label,
+                     localization)
 from .steps import PIPELINE_STEP_NAMES
-
-
-def _number(value) -> float | None:
-    """A record's figure as a float (JSON keeps NaN as the string 'nan'), else None."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 ITEM_TABLE_COLUMNS = (  # the metric columns of an item's table
@@ -27,7 +21,7 @@ ITEM_TABLE_COLUMNS = (  # the metric columns of an item's table
 
 def precision_line(rec: Record) -> str | None:
     """A float16 item's two answers (harness.precision): within the float16 floor or not, shippable or not."""
-    if getattr(rec, "precision", "float32") != "float16" or rec.verdict.value not in ("pass", "fail"):
+    if rec.precision != "float16" or rec.verdict.value not in ("pass", "fail"):
         return None if rec.shippable is not False else f"not shippable: {rec.shippable_reason}"
     within = "within the float16 floor" if rec.verdict.value == "pass" else "not within the float16 floor"
     ship = {True: "shippable", False: "not shippable", None: "shippable: n/a"}[rec.shippable]
@@ -40,7 +34,7 @@ def shippable_cell(r: Record) -> str:
     """" shippable" / " not shippable" for a summary cell: float16 items always, others when not."""
     if r.verdict.value not in ("pass", "fail") or r.shippable is None:
         return ""
-    if getattr(r, "precision", "float32") == "float16":
+    if r.precision == "float16":
         return " shippable" if r.shippable else " not shippable"
     return "" if r.shippable else " not shippable"
 
@@ -93,23 +87,23 @@ def port_lines(rec: Record) -> list[str]:
     lines = []
     if rec.stages:
         rows, defects = [], []
-        b = rec.bisect or {}
-        inside = None if len(rec.stages) != 1 else (
-            ", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
-            if len(b.get("defects") or ()) > 1 else b.get("first_stage"))
-        if b.get("kind") == "port-chain":  # a chain localized inside its stages (harness/port/chain_localize.py)
-            inside = ", ".join(f"{d['stage']}/{d['module']}" for d in b.get("defects") or ()) or None
+        b = rec.bisect
+        inside = None
+        if isinstance(b, PortChain):  # a chain localized inside its stages (harness/port/chain_localize.py)
+            inside = ", ".join(f"{d['stage']}/{d['module']}" for d in b.defects) or None
+        elif b is not None and len(rec.stages) == 1:  # a one-stage port: its stage's own localization
+            inside = (", ".join(d["stage"] for d in b["defects"]) + " (ranked by audio effect)"
+                      if len(b.get("defects") or ()) > 1 else b.get("first_stage"))
         for row in rec.stages:
-            bucket = sorted({str(b) for b in (row.get("bucket") or {}).values()})
-            stage = row["stage"] + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
-            for tensor, m in row["outputs"].items():
-                loc, ch = m["local"], m["chained"]
+            bucket = sorted({str(b) for b in (row.bucket or {}).values()})
+            stage = row.stage + (f" [{'/'.join(bucket)}]" if bucket else "")  # the bucket(s) it ran
+            for tensor, m in row.outputs.items():
+                loc, ch = m.local, m.chained
                 word = row_word(loc, ch)
-                if word == "DEFECT" and row["stage"] not in defects:
-                    defects.append(row["stage"])
-                kind = loc.get("kind", "") if word == "DEFECT" else ch.get("kind", "") or loc.get("kind", "")
-                rows.append([stage, tensor, _fmt(loc.get("rel_l2")), _fmt(loc.get("floor_rel_l2")),
-                             _fmt(ch.get("rel_l2")), word, kind])
+                if word == "DEFECT" and row.stage not in defects:
+                    defects.append(row.stage)
+                kind = loc.kind if word == "DEFECT" else ch.kind or loc.kind
+                rows.append([stage, tensor, _fmt(loc.rel_l2), _fmt(loc.floor_rel_l2), _fmt(ch.rel_l2), word, kind])
         lines.append(tabulate(rows, headers=["stage", "tensor", "local rel_l2", "floor", "chained rel_l2", "row",
                                              "kind of difference"], tablefmt="simple"))
         lines.append("row: within (its local error within its floor), DEFECT (its local error leaves it), "
@@ -118,35 +112,33 @@ def port_lines(rec: Record) -> list[str]:
             lines.append("defects (local error leaves its floor): " + ", ".join(
                 f"{d} (first)" if i == 0 and len(defects) > 1 else d for i, d in enumerate(defects))
                 + (f"; localized inside {'it' if len(rec.stages) == 1 else 'them'} to {inside}" if inside else ""))
-            ranked = sorted((r for r in rec.stages if r.get("defect")), key=lambda r: r["defect"]["rank"])
+            ranked = sorted((r for r in rec.stages if r.defect), key=lambda r: r.defect["rank"])
             if ranked:  # two defects or more in a chain (harness.port.chain.rank_chain_defects)
-                lines.append("ranked by audio effect: " + ", ".join(r["stage"] for r in ranked))
-    bands = {k: v for k, v in rec.bands.items() if "band" in v}
+                lines.append("ranked by audio effect: " + ", ".join(r.stage for r in ranked))
+    bands = {k: v for k, v in rec.bands.items() if isinstance(v, NoiseBand)}
     if bands:
-        rows = [[k, _fmt(v["value"]), f"[{_fmt(v['band'][0])}, {_fmt(v['band'][1])}]", v["direction"],
-                 "in" if v["ok"] else "OUTSIDE"] for k, v in bands.items()]
-        k = next(iter(bands.values())).get("k", "")
-        lines.append(f"audio against the noise band (K = {k} reference runs with other noise seeds):")
+        rows = [[k, _fmt(v.value), f"[{_fmt(v.band[0])}, {_fmt(v.band[1])}]", v.direction,
+                 "in" if v.ok else "OUTSIDE"] for k, v in bands.items()]
+        lines.append(f"audio against the noise band (K = {next(iter(bands.values())).k or ''} reference runs "
+                     "with other noise seeds):")
         lines.append(tabulate(rows, headers=["metric", "artifact", "noise band", "passes when", ""], tablefmt="simple"))
     z = rec.bands.get("zero_noise")
     if z:
-        lines.append(f"against the zero-noise reference, sample by sample: rel_l2 {_fmt(z['rel_l2'])}, "
-                     f"SNR {_fmt(z['snr_db'])} dB, {z['kind']}")
+        lines.append(f"against the zero-noise reference, sample by sample: rel_l2 {_fmt(z.rel_l2)}, "
+                     f"SNR {_fmt(z.snr_db)} dB, {z.kind}")
     return lines
 
 
-
-
-def row_word(local: dict, chained: dict) -> str:
+def row_word(local: Judged, chained: Judged) -> str:
     """One word for a stage output's row, meaning one thing: DEFECT (the local error leaves its
     floor: the stage's own), accumulated (within locally, the chained value leaves it: earlier
     stages' error), not judged (and why: the noise band judges a stage that draws its own noise), or
     within (both within). A NaN is never within: its row is a DEFECT or accumulated."""
-    if not local.get("ok", True):
+    if not local.ok:
         return "DEFECT"
-    if not chained.get("ok", True):
+    if not chained.ok:
         return "accumulated"
-    if str(local.get("why", "")).startswith("draws its own noise"):
+    if local.why.startswith("draws its own noise"):
         return "not judged: noise band"
     return "within"
 
@@ -177,10 +169,10 @@ def verdict_cell(r: Record) -> str:
     if nan_rate and r.verdict.value == "fail":  # a NaN output has no meaningful error figure
         cell += f" NaN {nan_rate:.0%}"
     elif worst is not None and r.verdict.value in ("pass", "fail"):
-        fp16 = " fp16" if getattr(r, "precision", "float32") == "float16" else ""  # harness.precision
+        fp16 = " fp16" if r.precision == "float16" else ""  # harness.precision
         ratio = worst.get("floor_ratio")
         # float16 eager non-finite (en_long's SineGen): there is no floor to be a multiple of
-        nonfinite = _number(ratio) is not None and not math.isfinite(_number(ratio))
+        nonfinite = isinstance(ratio, float) and not math.isfinite(ratio)  # a record's NaN is a float
         floor = f"{fp16.strip() or 'fp32'} floor non-finite" if nonfinite else f"{_fmt(ratio)}x{fp16} floor"
         cell += f" rel {_fmt(worst.get('rel_l2'))} ({floor})"
     audio = next((a for n, a in r.audio_metrics.items() if not n.endswith("_unforced")), None)
@@ -223,22 +215,23 @@ def _cut_status(row: dict) -> str:
     return row["status"].upper() + (note if row["status"] == "pass" else "")
 
 
-def format_bisect(b: dict) -> str:
-    """The bisection's lines under an item's metric table."""
-    if b.get("kind") == "port-chain":  # harness/port/chain_localize.py
-        from .port.chain_localize import chain_lines
-
+def format_bisect(b) -> str:
+    """A localization's lines under an item's metric table (a dict is read as the record reads it)."""
+    b = localization(b)
+    if isinstance(b, PortChain):
         return "\n".join(chain_lines(b))
-    if b.get("kind") == "pte-etdump":  # harness/port/pte_stages.py
+    if isinstance(b, PteEtdump):
         return "\n".join(pte_lines(b))
-    if b.get("kind") == "onnx-stages" or (b.get("error") and "status" not in b):  # harness/port/onnx_stages.py
-        return "\n".join(stage_lines(b)) if "stages" in b else f"localization: {b['error']}"
-    if b.get("kind") == "rewrite":  # harness/rewrite: the first failing module's bundle
-        return f"repro of {b['module']}: {b.get('repro') or b.get('repro_error')}"
-    if b.get("status") == "error":
-        return f"bisect: could not run: {b.get('message')}"
+    if isinstance(b, OnnxStages):
+        return "\n".join(stage_lines(b))
+    if isinstance(b, Unlocalized):
+        return f"localization: {b.error}"
+    if isinstance(b, Rewrite):  # the first failing module's bundle
+        return f"repro of {b.module}: {b.repro or b.get('repro_error')}"
+    if b.status == "error":
+        return f"bisect: could not run: {b.message}"
     lines = []
-    rows = b.get("modules") or []
+    rows = b.modules or []
     if rows:
         lines.append(f"bisect, module stage ({len(rows)} module cuts judged, each with everything before it; "
                      f"{b.get('module_compiles', 0)} compiles):")
@@ -253,11 +246,11 @@ def format_bisect(b: dict) -> str:
             lines.append(f"band: the same values on {band['backend']} ({band['status']}); "
                          f"{len(band.get('within_band') or [])} values beyond the rule but within it"
                          + (f": {band.get('why', '')[:160]}" if band["status"] not in ("pass", "fail") else ""))
-        lines.append(f"first failing module: {b.get('first_module') or 'none (every module cut passes)'}")
-    if b.get("status") != "localized":
-        lines.append(f"bisect: not localized: {b.get('message')}")
+        lines.append(f"first failing module: {b.first_module or 'none (every module cut passes)'}")
+    if b.status != "localized":
+        lines.append(f"bisect: not localized: {b.message}")
     else:
-        f = b["first_op"]
+        f = b.first_op
         lines.append(f"bisect: first diverging op `{f['node']}` ({f['op']}, {f['kind'].upper()}) "
                      f"in {f['module'] or '?'}")
         lines.append(f"  source: {f['source'] or '?'}")
@@ -276,7 +269,7 @@ def format_bisect(b: dict) -> str:
     for p in b.get("probe_failures") or []:
         lines.append(f"  probe that could not run (not a divergence; a finding of its own): {p['label']} "
                      f"{p['status']}: {p.get('why', '')[:160]}")
-    r = b.get("repro")
+    r = b.repro
     if r:
         state = ("reproduces when run alone" if r.get("reproduces") else
                  f"repro.py exit code {r.get('exit_code')}" if "exit_code" in r else "not verified")

@@ -36,6 +36,7 @@ from ..backends import get_backend
 from ..metrics.tensor import error_metrics
 from ..plumbing.jobs import Limits, first_error_line
 from ..programs import ensure_program
+from ..record import Bisection
 from ..steps import get_step
 from ..verdict import comparator
 from .graph import (BisectError, StepGraph, evaluate, is_float, is_tensor, module_boundaries, module_path,
@@ -450,15 +451,15 @@ def _num(v) -> float:
 # ---- entry point ----------------------------------------------------------------------------
 
 def bisect_item(session, item, record=None, depth: int = 2, repro: bool = True, verify: bool = True,
-                log: Callable[[str], None] | None = None, band_from: str | None = None) -> dict:
+                log: Callable[[str], None] | None = None, band_from: str | None = None) -> Bisection:
     """Localize one item; the result goes into `record.bisect` (rewritten) when given. `band_from`:
     a backend that is right where this one fails (see Bisector.beyond_band)."""
     verdict = record.verdict.value if record is not None else "fail"
     try:
-        result = Bisector.for_item(session, item, depth=depth, log=log, verdict=verdict,
-                                   band_from=band_from).run(repro=repro, verify=verify)
+        result = Bisection(**Bisector.for_item(session, item, depth=depth, log=log, verdict=verdict,
+                                               band_from=band_from).run(repro=repro, verify=verify))
     except Exception as e:  # noqa: BLE001 - a bisection that cannot run is reported, not raised
-        result = {"status": "error", "message": first_error_line(e), "traceback": traceback.format_exc()[-4000:]}
+        result = Bisection(status="error", message=first_error_line(e), traceback=traceback.format_exc()[-4000:])
     if record is not None:
         record.bisect = result
         record.write(Path(session.report_dir) / "records")

@@ -40,7 +40,7 @@ from ..backends.prebuilt import NATIVE, display_name, runtimes_for
 from ..metrics.audio import audio_metrics, write_wav
 from ..metrics.tensor import compare_to_floor, error_metrics
 from ..model import SAMPLE_RATE, SAMPLES_PER_FRAME
-from ..record import Record, compiled_not_run, item_id, real_time, versions
+from ..record import Judged, NoiseBand, Record, StageRow, ZeroNoise, compiled_not_run, item_id, real_time, versions
 from ..reference import (CASE_INPUTS, NEUTRAL_PATCHES, REFERENCE_PATCHES, BoundaryError, module_captures,
                          stage_reference)
 from ..steps import STEPS, get_step
@@ -124,7 +124,7 @@ def run_port_item(session, item: PortItem):
     except (PortError, ValueError, FileNotFoundError) as e:
         rec.verdict, rec.reason = Verdict.RUN_ERROR, str(e)
         return session.finish(rec)
-    rec.audit["port"] = port_audit(port)
+    rec.audit.port = port_audit(port)
     try:
         run_chain(session, port, item, rec)
     except PortError as e:
@@ -276,9 +276,10 @@ class _Chain:
         self.ran[stage.name] = {"index": i, "before": dict(self.chained), "own": own, "found": found,
                                 "local": self.local_out, "chained": chained_out, "reference": {}}
         self.chained.update(chained_out)
-        self.rec.stages.append(judge_stage(self.session, stage, self.item, traces, tol, local_in, self.local_out,
-                                           chained_out, {"bucket": meta, "durations": durations}, self.steps,
-                                           self.references, self.defects, self.ran[stage.name]["reference"]))
+        self.rec.stages.append(StageRow(**judge_stage(
+            self.session, stage, self.item, traces, tol, local_in, self.local_out, chained_out,
+            {"bucket": meta, "durations": durations}, self.steps, self.references, self.defects,
+            self.ran[stage.name]["reference"])))
         return True
 
     def _glue_rows(self, stage, tol) -> tuple[dict, dict]:
@@ -296,7 +297,7 @@ class _Chain:
             if (g.spec, tensor) not in self.judged_glue:
                 self.judged_glue.add((g.spec, tensor))
                 row = judge_glue(g, tensor, self.chained, self.traces, self.user, tol, stage)
-                self.rec.stages.append(row)
+                self.rec.stages.append(StageRow(**row))
                 if not row["local_ok"]:
                     self.defects.append((row["stage"], tensor, row["outputs"][tensor]["local"]))
         return own, glued
@@ -865,17 +866,18 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
                                item.backend, item.mode)
     failures = []
     for row in rec.stages:
-        for tensor, m in row["outputs"].items():
-            c = m["chained"]
-            if not c.get("why", "").startswith("draws its own noise"):  # band-judged audio: its rel L2 means nothing
-                rec.metrics[f"{row['stage']}:{tensor}"] = {k: v for k, v in c.items() if isinstance(v, (int, float))}
+        for tensor, m in row.outputs.items():
+            c = m.chained
+            if not c.why.startswith("draws its own noise"):  # band-judged audio: its rel L2 means nothing
+                rec.metrics[f"{row.stage}:{tensor}"] = {k: v for k, v in c.model_dump().items()
+                                                        if isinstance(v, (int, float))}
             if tensor == "pred_dur":
-                rec.durations = {k: v for k, v in c.items() if isinstance(v, int) and not isinstance(v, bool)}
-            elif not c.get("ok", True):
-                failures.append(f"{row['stage']}:{tensor}: {c['why']}")
-            bad = next((m[r]["why"] for r in ("local", "chained") if _is_nonfinite(m[r])), None)
-            if bad and not c.get("why", "").startswith(("NaN", "Inf")):  # a local NaN fails the item too
-                failures.append(f"{row['stage']}:{tensor} (local): {bad}")
+                rec.durations = {k: v for k, v in c.model_dump().items() if isinstance(v, int) and not isinstance(v, bool)}
+            elif not c.ok:
+                failures.append(f"{row.stage}:{tensor}: {c.why}")
+            bad = next((j.why for j in (m.local, m.chained) if _is_nonfinite(j)), None)
+            if bad and not c.why.startswith(("NaN", "Inf")):  # a local NaN fails the item too
+                failures.append(f"{row.stage}:{tensor} (local): {bad}")
     if "audio" in values:
         audio = values["audio"]
         ref = end_reference(session, port, item, traces)
@@ -895,16 +897,16 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
                 ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
                 if not math.isfinite(am.get(metric, math.nan)) and all(map(math.isfinite, band["band"][metric])):
                     ok, why = False, f"NaN: {metric} is non-finite (its noise band is finite)"
-                rec.bands[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok,
-                                     "direction": direction, "why": why, "k": band["k"]}
+                rec.bands[metric] = NoiseBand(value=am.get(metric), band=band["band"][metric], ok=ok,
+                                              direction=direction, why=why, k=band["k"])
                 if not ok:
                     failures.append(f"audio: {why}")
             zero = band["zero_noise_audio"][0]
             if zero.shape[-1] == len(cand):
                 z = error_metrics(torch.from_numpy(cand), zero.double())
-                rec.bands["zero_noise"] = {"rel_l2": z["rel_l2"], "snr_db": z["snr_db"],
-                                           "kind": difference_kind(torch.from_numpy(cand), zero.double()),
-                                           "why": "sample by sample against the reference with every noise input zero"}
+                rec.bands["zero_noise"] = ZeroNoise(
+                    rel_l2=z["rel_l2"], snr_db=z["snr_db"], kind=difference_kind(torch.from_numpy(cand), zero.double()),
+                    why="sample by sample against the reference with every noise input zero")
         else:
             ok, why = audio_comparator(tol)(am)
             if not ok:
@@ -917,11 +919,11 @@ def judge_end(session, port: Port, item: PortItem, rec, values: dict, traces, ca
         failures.sort(key=lambda f: not any(w in f for w in (": NaN: ", ": Inf: ")))
         rec.verdict, rec.reason = Verdict.FAIL, "; ".join(failures)
     else:
-        parts = [f"{k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v]
+        parts = [f"{k}: {v.why}" for k, v in rec.bands.items() if isinstance(v, NoiseBand)]
         rec.verdict, rec.reason = Verdict.PASS, "; ".join(parts) or "every stage within its floor"
 
 
-def _is_nonfinite(m: dict) -> bool:
-    return not m.get("ok", True) and m.get("why", "").startswith(("NaN: ", "Inf: "))
+def _is_nonfinite(m: Judged) -> bool:
+    return not m.ok and m.why.startswith(("NaN: ", "Inf: "))
 
 

@@ -28,6 +28,7 @@ import onnx
 
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
+from ..record import OnnxStages, PortChain, PteEtdump, Unlocalized
 from .onnx_stages import localize, native_localization, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
@@ -52,14 +53,14 @@ def localize_item(session, item, rec, log=print) -> None:
         (sub,) = found.values()
         rec.bisect, reason = sub.bisect, sub.reason
     else:
-        rec.bisect = {"kind": "port-chain", "port": port.name, "stages": {n: s.bisect for n, s in found.items()}}
+        rec.bisect = PortChain(port=port.name, stages={n: s.bisect for n, s in found.items()})
         defects = chain_defects(rec.bisect)
-        rec.bisect["defects"] = defects
+        rec.bisect.defects = defects
         reason = (f"{len(defects)} defect{'s' if len(defects) > 1 else ''} inside its stages: " + "; ".join(
             f"{d['stage']}/{d['module']} ({d['kind']})" for d in defects)) if defects else ""
-        repro = next((b["repro"] for b in rec.bisect["stages"].values() if b.get("repro")), None)
+        repro = next((b["repro"] for b in rec.bisect.stages.values() if b.get("repro")), None)
         if repro:
-            rec.bisect["repro"] = repro  # the first stage's bundle, where the dashboard looks
+            rec.bisect.repro = repro  # the first stage's bundle, where the dashboard looks
         for line in chain_summary(rec.bisect):
             log(line)
     if reason:
@@ -73,7 +74,7 @@ def localize_stage(session, item, port: Port, stage: StageSpec, rec, log, module
     chain = len(port.stages) > 1
     why = judged_whole(port, stage)
     if why:
-        rec.bisect = {"error": why}
+        rec.bisect = Unlocalized(error=why)
         log(why)
         return
     path = stage.file_for(port.root)
@@ -160,7 +161,7 @@ def stage_defects(b: dict) -> list[tuple[str, str]]:
     fails with it) and whose chained value does not hold it (that would be the cut's)."""
     if b.get("defects"):
         return [(d["stage"], d["kind"]) for d in b["defects"]]
-    if b.get("kind") == "pte-etdump":  # chained errors: the first failing module; those after it accumulate
+    if isinstance(b, PteEtdump):  # chained errors: the first failing module; those after it accumulate
         first = next((e for e in b.get("stages") or () if e["stage"] == b.get("first_stage")), None)
         return [(first["stage"], first["chained"]["kind"])] if first else []
     failing = [e for e in b.get("stages") or () if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]
@@ -196,5 +197,5 @@ def chain_lines(b: dict) -> list[str]:
         sb = sb or {}
         if "stages" in sb:
             lines.append(f"[{name}]")
-            lines += stage_lines(sb) if sb.get("kind") == "onnx-stages" else pte_lines(sb)
+            lines += stage_lines(sb) if isinstance(sb, OnnxStages) else pte_lines(sb)
     return lines + chain_summary(b)

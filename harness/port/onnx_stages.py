@@ -38,6 +38,7 @@ from ..patches import apply_patches, provide_noise, sample_noise, to_float64
 from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write
 from ..plumbing.jobs import run_job
+from ..record import OnnxStages, Unlocalized
 from ..reference import REFERENCE_PATCHES
 from ..verdict import band_comparator, comparator
 from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error
@@ -375,7 +376,7 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     log(f"localizing inside {artifact.name}: marking module outputs, extracting each stage ...")
     result, rows = run_localize_job(session, "harness.port.onnx_stages:localize_job", artifact, ref, run_dir)
     if not result.ok:
-        rec.bisect = {"error": f"localization failed: {result.error}"}
+        rec.bisect = Unlocalized(error=f"localization failed: {result.error}")
         return rec.bisect
     check = comparator(tol)
     table, first = [], None
@@ -411,21 +412,21 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
         if local and not local["ok"] and first is None:
             first = entry
         table.append(entry)
-    rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), "noise": "draws its own" if noisy else "none drawn",
-                  "forced_durations": result.value.get("forced_durations", False),
-                  "stages": table, "unmapped": [e["stage"] for e in table if not e["mapped"]]}
+    rec.bisect = OnnxStages(artifact=str(artifact), noise="draws its own" if noisy else "none drawn",
+                            forced_durations=result.value.get("forced_durations", False),
+                            stages=table, unmapped=[e["stage"] for e in table if not e["mapped"]])
     audio_row = rows.get("audio") or {}
-    if audio_row.get("mapped") and rec.bisect["forced_durations"]:
-        rec.bisect["forced_audio"] = band_rows(session, case_id, traces, audio_row["chained"], tol)
+    if audio_row.get("mapped") and rec.bisect.forced_durations:
+        rec.bisect.forced_audio = band_rows(session, case_id, traces, audio_row["chained"], tol)
     defects = [e for e in table if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]]
     if defects:
-        rec.bisect["defects"] = rank_defects(session, defects, rows, ref, run_dir, noisy)
-        rec.reason = (rec.reason + "; " if rec.reason else "") + defects_reason(rec.bisect["defects"])
+        rec.bisect.defects = rank_defects(session, defects, rows, ref, run_dir, noisy)
+        rec.reason = (rec.reason + "; " if rec.reason else "") + defects_reason(rec.bisect.defects)
     if first is not None:
-        rec.bisect["first_stage"] = first["stage"]
+        rec.bisect.first_stage = first["stage"]
         sub = row_sub(rows, first["stage"])
         if sub is not None:
-            rec.bisect["repro"] = write_repro(session.report_dir / "repro" / f"{case_id}-{artifact.stem}",
+            rec.bisect.repro = write_repro(session.report_dir / "repro" / f"{case_id}-{artifact.stem}",
                                               rows[first["stage"]], ref, first["stage"], tol)
     for line in stage_lines(rec.bisect):
         log(line)
@@ -673,9 +674,9 @@ NATIVE_LOCALIZATION = ("localized on onnxruntime CPU: the browser run is judged,
 
 def native_localization(rec, runtime: str, log) -> None:
     """Say, in the record and the output, that an item judged on `runtime` was localized on onnxruntime CPU."""
-    if runtime != NATIVE and isinstance(rec.bisect, dict) and "error" not in rec.bisect:
-        rec.bisect["runtime"] = "onnxruntime CPU"
-        rec.bisect["judged_on"] = runtime
-        rec.bisect["note"] = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
-        log(rec.bisect["note"])
+    if runtime != NATIVE and isinstance(rec.bisect, OnnxStages):
+        rec.bisect.runtime = "onnxruntime CPU"
+        rec.bisect.judged_on = runtime
+        rec.bisect.note = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
+        log(rec.bisect.note)
 

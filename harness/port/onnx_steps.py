@@ -30,6 +30,7 @@ import torch
 
 from ..backends.prebuilt import NATIVE, kind_of
 from ..patches import affecting, apply_patches, provide_noise
+from ..record import OnnxStages, Unlocalized
 from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, module_captures
 from ..steps import get_step
 from ..verdict import comparator
@@ -313,18 +314,18 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     table, first = judge_modules(ran, skipped, rows, ref, caps, comparator(tol))
     names = result.value["names"] + (f"; references with {'+'.join(variant)}" if variant else "")
     key = "step" if "step" in where else "port_stage"
-    rec.bisect = {"kind": "onnx-stages", "artifact": str(artifact), key: where[key], "names": names,
-                  "stages": table, "unmapped": [e["stage"] for e in table if not e["mapped"]]}
+    rec.bisect = OnnxStages(artifact=str(artifact), names=names, stages=table,
+                            unmapped=[e["stage"] for e in table if not e["mapped"]], **{key: where[key]})
     if first is not None:
-        rec.bisect["first_stage"] = first
-        rec.bisect["repro"] = write_repro(session.report_dir / "repro" / where["repro"], rows[first], ref, first, tol)
+        rec.bisect.first_stage = first
+        rec.bisect.repro = write_repro(session.report_dir / "repro" / where["repro"], rows[first], ref, first, tol)
     for line in stage_lines(rec.bisect):
         log(line)
     return rec.bisect
 
 
 def _no_stages(rec, error: str, log) -> dict:
-    rec.bisect = {"error": error}
+    rec.bisect = Unlocalized(error=error)
     log(error)
     return rec.bisect
 
@@ -376,8 +377,8 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
     elif not rec.audit.get("input_mapping"):
         why = f"{item.id}: the artifact's inputs were never mapped to the step's"
     if why:
-        rec.bisect = {"error": f"{why}: judged whole"}
-        log(rec.bisect["error"])
+        rec.bisect = Unlocalized(error=f"{why}: judged whole")
+        log(rec.bisect.error)
     else:
         tol = session.profile.for_(item.step, item.backend, item.mode)
         variant = affecting([p for p in rec.patches if p not in REFERENCE_PATCHES["dynamic"]

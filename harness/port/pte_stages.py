@@ -38,6 +38,7 @@ from ..metrics.tensor import compare_to_floor
 from ..plumbing.files import save_tensors
 from ..plumbing.jobs import run_job
 from ..patches import NOISE_INPUTS
+from ..record import PteEtdump, Unlocalized
 from ..reference import module_captures
 from ..steps import STEP_NAMES, get_step
 from ..verdict import comparator
@@ -296,7 +297,7 @@ def localize_pte(session, item, rec, etrecord, log=print) -> dict:
     elif not Path(etrecord).is_file():
         error = f"--etrecord {etrecord}: no such file; {path.name} judged whole"
     if error:
-        rec.bisect = {"error": error}
+        rec.bisect = Unlocalized(error=error)
         log(error)
         rec.write(session.report_dir / "records")
         return rec.bisect
@@ -322,11 +323,11 @@ def localize_pte_file(session, target: PteTarget, inputs: list[torch.Tensor], re
                           inputs_path=str(run_dir / "inputs.pt"), out_dir=str(run_dir)),
                      run_dir / "job", session.limits.run_s * 2)
     if not result.ok:
-        rec.bisect = {"error": f"localization inside {path.name} failed ({result.status}): {result.error}"}
-        log(rec.bisect["error"])
+        rec.bisect = Unlocalized(error=f"localization inside {path.name} failed ({result.status}): {result.error}")
+        log(rec.bisect.error)
         return
     dumped = torch.load(run_dir / "events.pt", weights_only=False)
-    rec.bisect = judge_events(session, target, dumped, result.value)
+    rec.bisect = PteEtdump(**judge_events(session, target, dumped, result.value))
     for line in pte_lines(rec.bisect):
         log(line)
 

@@ -28,7 +28,7 @@ from ..metrics.tensor import compare_to_floor, error_metrics
 from ..patches import NOISE_INPUTS
 from ..port.differences import difference_kind, nonfinite
 from ..port.tensors import reference as reference_tensor
-from ..record import Record, item_id, versions
+from ..record import NoiseBand, Record, Rewrite, StageRow, item_id, versions
 from ..verdict import Verdict, band_comparator, comparator
 from .adapter import Adapter, Mapped
 from .captures import cast32, module_io, reference_models
@@ -103,7 +103,7 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
         rec.verdict, rec.reason = Verdict.FAIL, first + "; ".join(failures)
     else:
         rec.verdict, rec.reason = Verdict.PASS, f"{len(rec.stages)} modules within their floor" + \
-            "".join(f"; {k}: {v['why']}" for k, v in rec.bands.items() if "ok" in v)
+            "".join(f"; {k}: {v.why}" for k, v in rec.bands.items() if isinstance(v, NoiseBand))
     return session.finish(rec)
 
 
@@ -141,14 +141,12 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
             m, seconds = judge_one(item, model, conventions[io.path], io, tol)
             ch = chained_metrics(chain.get(io.path), io, why or ("a sub-callable: judged locally only"
                                                                  if io.path in inside else ""))
-            rec.stages.append({"stage": io.path, "artifact": conventions[io.path], "precision": "float32",
-                               "run_s": seconds, "local_ok": m["ok"], "chained_ok": True,
-                               "outputs": {"out": {"local": m, "chained": ch}},
-                               **({"inside": inside[io.path]} if io.path in inside else {})})
-            if not m["ok"] and io.path not in inside and "module" not in (rec.bisect or {}):
+            rec.stages.append(StageRow(stage=io.path, artifact=conventions[io.path], precision="float32", run_s=seconds,
+                                       local_ok=m["ok"], chained_ok=True, outputs={"out": {"local": m, "chained": ch}},
+                                       **({"inside": inside[io.path]} if io.path in inside else {})))
+            if not m["ok"] and io.path not in inside and not isinstance(rec.bisect, Rewrite):
                 # the first failing module: its bundle, while its captures are here
-                rec.bisect = {"kind": "rewrite", "module": io.path,
-                              **first_repro(session, item, model, conventions[io.path], io, m, tol)}
+                rec.bisect = Rewrite(module=io.path, **first_repro(session, item, model, conventions[io.path], io, m, tol))
             if not m["ok"]:
                 defects.append((io.path, m))
 
@@ -255,8 +253,8 @@ def judge_pipeline(session, item: RewriteItem, model, traces, tol, rec) -> list[
     check = band_comparator(tol)
     for metric, direction in DIRECTIONS.items():
         ok, why = check(metric, am.get(metric, math.nan), band["band"][metric], direction)
-        rec.bands[metric] = {"value": am.get(metric), "band": band["band"][metric], "ok": ok,
-                             "direction": direction, "why": why, "k": band["k"]}
+        rec.bands[metric] = NoiseBand(value=am.get(metric), band=band["band"][metric], ok=ok, direction=direction,
+                                      why=why, k=band["k"])
         if not ok:
             failures.append(f"pipeline audio: {why}")
     return failures

@@ -90,7 +90,7 @@ def test_other_formats_and_static_items_are_judged_whole_with_the_reason(tmp_pat
         localize_artifact_item(session, item, rec, log=lambda line: None)
         assert why in rec.bisect["error"] and rec.bisect["error"].endswith("judged whole")
         assert format_bisect(rec.bisect).startswith("localization: ")
-        assert json.loads((tmp_path / "records" / f"{rec.item_id}.json").read_text())["bisect"] == rec.bisect
+        assert json.loads((tmp_path / "records" / f"{rec.item_id}.json").read_text())["bisect"] == rec.to_dict()["bisect"]
 
 
 def _tiny_session(tmp_path: Path, patches=()):

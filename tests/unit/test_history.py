@@ -15,7 +15,7 @@ import pytest
 
 from harness.history import (SCHEMA, History, Run, compare, junit_xml, load_history, nightly, profile_dict,
                              profile_from, read_run, write_run)
-from harness.record import Record
+from harness.record import SCHEMA as RECORD_SCHEMA, Record
 from harness.verdict import Profile, Verdict
 
 FIXTURE = Path(__file__).parent / "data" / "nightly"
@@ -35,9 +35,11 @@ def test_fixture_loads_as_three_complete_runs():
     for run in h.runs:
         assert run.complete and run.git["commit"] and run.machine["cpus"] and run.versions["torch"]
         assert len(run.records) == 8
-        for d in run.records:  # the records are what harness.record writes (later fields: their defaults)
+        for d in run.records:  # version 1 records, loaded as version 2 (later fields: their defaults)
+            assert d["schema"] == "kokoro-parity/record/1"
             again = Record.from_dict(d).to_dict()
-            assert {k: again[k] for k in d} == d
+            assert again["schema"] == RECORD_SCHEMA
+            assert {k: again[k] for k in d if k != "schema"} == {k: v for k, v in d.items() if k != "schema"}
 
 
 def test_write_then_read_round_trips(tmp_path: Path):

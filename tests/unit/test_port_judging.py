@@ -10,6 +10,7 @@ import torch
 
 from harness.port.chain import judge_end, judge_glue, judge_tensor, UserGlue
 from harness.port.portfile import Port, PortSpec, StageSpec
+from harness.record import Record
 from harness.verdict import Profile, Tolerance, Verdict
 
 TOL = Tolerance()
@@ -76,8 +77,7 @@ def test_a_nan_from_the_users_glue_fails_its_row():
 def test_a_local_nan_fails_the_item_and_comes_first_in_its_reason():
     stage = _stage("own")
     port = Port(PortSpec(name="p", stages=[stage]), ".", "p.yaml")
-    rec = SimpleNamespace(stages=[], metrics={}, durations={}, audio_metrics={}, bands={}, audio={},
-                          verdict=None, reason="")
+    rec = Record("tiny", "port:p", "port", "dynamic", Verdict.SKIPPED)
     ok = {"ok": True, "why": "rel_l2 1e-07 <= 2x fp32 floor", "rel_l2": 1e-7}
     slow = {"ok": False, "why": "rel_l2 0.5 > 2x fp32 floor", "rel_l2": 0.5}
     nan = {"ok": False, "why": "NaN: 10 of 10 values non-finite", "rel_l2": math.nan}
