@@ -568,7 +568,7 @@ def band_figure(rec: dict[str, Any], margin: float, div_id: str) -> str | None:
     artifact's value (a marker in its verdict's colour); one row per metric, each on its own scale."""
     # optional runtime: dashboard extra
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    from plotly.subplots import make_subplots  # optional runtime: the dashboard extra
 
     bands = {k: v for k, v in (rec.get("bands") or {}).items() if isinstance(v.get("band"), (list, tuple))}
     if not bands:
