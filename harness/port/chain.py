@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,8 @@ from ..backends.prebuilt import NATIVE, display_name, runtimes_for
 from ..metrics.audio import audio_metrics, write_wav
 from ..metrics.tensor import compare_to_floor, error_metrics
 from ..model import SAMPLE_RATE, SAMPLES_PER_FRAME
-from ..record import Judged, NoiseBand, Record, StageRow, ZeroNoise, compiled_not_run, item_id, real_time, versions
+from ..record import (Audit, Judged, NoiseBand, Record, StageRow, ZeroNoise, compiled_not_run, item_id, real_time,
+                      versions)
 from ..reference import (CASE_INPUTS, NEUTRAL_PATCHES, REFERENCE_PATCHES, BoundaryError, module_captures,
                          stage_reference)
 from ..steps import STEPS, get_step
@@ -342,7 +343,7 @@ def rank_chain_defects(chain: _Chain) -> list[dict]:
             d["unranked"] = values
             continue
         values = {**ran["before"], **ran["chained"], **values}
-        scratch = replace(chain.rec, reason="", timings={}, cache={}, audit={}, peak_rss_mb={})
+        scratch = chain.rec.model_copy(update=dict(reason="", timings={}, cache={}, audit=Audit(), peak_rss_mb={}))
         for later in chain.port.stages[ran["index"] + 1:]:
             own = chain.ran[later.name]
             out, _ = chain.chained_run(stages[later.name], values, own["own"], own["found"], {},
