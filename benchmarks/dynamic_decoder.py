@@ -161,7 +161,8 @@ def main() -> int:
             except RuntimeError as e:
                 line = f"{n} frames: dynamic XNNPACK fails: {str(e).splitlines()[0]}"
             if n == args.frames[0]:
-                ctl = Runtime.get().load_program(str(static)).load_method("forward").execute([t.contiguous() for t in x])[0]
+                control = Runtime.get().load_program(str(static)).load_method("forward")
+                ctl = control.execute([t.contiguous() for t in x])[0]
                 line += f"; static XNNPACK vs eager {rel(ctl, want):.3e}"
             print(line, flush=True)
     return 0

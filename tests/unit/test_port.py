@@ -678,3 +678,55 @@ def test_durations_found_inside_a_stage_are_forced_so_the_later_stages_are_judge
     front_with_durations(tmp_path / "front.onnx", np.array(traces.pred_dur, np.float32))
     _, clean = _run(port_session, str(tmp_path / "port.yaml"))
     assert clean.verdict is Verdict.PASS and not clean.stages[0]["durations"]["local"]["forced"], clean.reason
+
+
+# The packaged int8 model cut at its own tensor names, as a port splits it: 2 stages (a front to
+# the aligned text features, F0 and N; the vocoder) and 3 (text to durations, d and t_en; prosody
+# to the aligned features; the vocoder).
+INT8_CUTS = {
+    "text": (["tokens", "style", "speed"], ["/encoder/Cast_output_0", "/encoder/predictor/text_encoder/Concat_4_output_0",
+                                             "/encoder/text_encoder/Transpose_2_output_0"]),
+    "prosody": (["/encoder/Cast_output_0", "/encoder/predictor/text_encoder/Concat_4_output_0",
+                 "/encoder/text_encoder/Transpose_2_output_0", "style"],
+                ["/encoder/MatMul_1_output_0", "/encoder/Reshape_output_0", "/encoder/Reshape_1_output_0"]),
+    "front": (["tokens", "style", "speed"],
+              ["/encoder/MatMul_1_output_0", "/encoder/Reshape_output_0", "/encoder/Reshape_1_output_0"]),
+    "vocoder": (["/encoder/MatMul_1_output_0", "/encoder/Reshape_output_0", "/encoder/Reshape_1_output_0", "style"],
+                ["audio"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
+                    reason="a real-model run (minutes per split on 2 cores): `make heavy-tests`")
+@pytest.mark.parametrize("split", [("front", "vocoder"), ("text", "prosody", "vocoder")], ids=["2stages", "3stages"])
+def test_the_packaged_int8_onnx_cut_at_its_own_names_gives_the_whole_models_findings(tmp_path, split):
+    """`port init` maps the export's own names by value, `port check` accepts the file as written,
+    and `run --port --bisect` names what the whole file's localization names: the inverse STFT's
+    constant gain inside the vocoder, and no other defect."""
+    import json
+
+    from onnx.utils import extract_model
+
+    from harness import cli
+    from harness.onnx_rebuild import assemble_onnx
+
+    whole = assemble_onnx(tmp_path / "kokoro-v1.0.int8.onnx")
+    stages = []
+    for name in split:
+        ins, outs = INT8_CUTS[name]
+        extract_model(str(whole), str(tmp_path / f"{name}.onnx"), ins, outs, check_model=False)
+        stages.append(str(tmp_path / f"{name}.onnx"))
+    port = tmp_path / "port.yaml"
+    assert cli.main(["port", "init", *stages, "--out", str(port), "--case", "en_short"]) == 0
+    text = port.read_text()
+    assert "FIXME" not in text, text
+    assert cli.main(["port", "check", str(port)]) == 0
+    reports = tmp_path / "reports"
+    cli.main(["run", "--port", str(port), "--case", "en_short", "--bisect", "--report-dir", str(reports)])
+    (path,) = (reports / "records").glob("*.json")
+    rec = json.loads(path.read_text())
+    assert rec["verdict"] == "fail", rec["reason"]
+    defects = rec["bisect"]["defects"]
+    assert [(d["stage"], d["module"]) for d in defects] == [("vocoder", "decoder.generator.istft")], rec["reason"]
+    assert "gain" in defects[0]["kind"], defects
