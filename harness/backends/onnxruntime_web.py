@@ -275,10 +275,12 @@ class BrowserSession:
         """`run_in_browser`'s run, in a fresh page of this session's browser."""
         arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
         specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
+        side = side_files(Path(model))
         cfg = {"bundle": self.bundle, "ep": self.execution_provider, "threads": THREADS, "verbose": True,
-               "inputs": specs}
+               "inputs": specs, "external": [{"path": loc, "url": f"/external/{i}"} for i, loc in enumerate(side)]}
         server = self._server
-        server.files["/model.onnx"] = Path(model)
+        server.files = {**_page_files(), "/model.onnx": Path(model),
+                        **{f"/external/{i}": f for i, f in enumerate(side.values())}}
         server.blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
         server.posted.clear()
         del server.requests[:]
@@ -325,6 +327,19 @@ class BrowserRunner:
         return {"ort_web": {**ort_web, "files": sorted(self.session.ort_files)},
                 "browser": self.audit.get("browser"), "webgpu_adapter": self.audit.get("webgpu_adapter"),
                 "browsers_started": self.session.launches}
+
+
+def side_files(model: Path) -> dict[str, Path]:
+    """{location: file} of the tensors an ONNX keeps beside it (an exporter's `model.onnx.data`):
+    the page hands them to the session as its external data, served as the model is."""
+    graph = onnx.load(str(model), load_external_data=False).graph
+    found = {}
+    for t in graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc:
+                found.setdefault(loc, Path(model).parent / loc)
+    return found
 
 
 def graph_input_types(path: Path) -> dict[str, np.dtype | None]:
