@@ -395,6 +395,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
         variant = affecting([p for p in rec.patches if p not in REFERENCE_PATCHES["dynamic"]
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
         localize_step(session, path, item.case, item.step, rec.audit["input_mapping"], rec, tol,
-                      session.report_dir / "runs" / item.id / "localize", variant, log, runtime)
+                      session.report_dir / "runs" / item.id / "localize", variant, log, runtime=runtime)
     rec.write(session.report_dir / "records")
     return rec.bisect

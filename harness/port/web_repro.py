@@ -2,12 +2,12 @@
 page that a browser or onnxruntime maintainer opens from a local folder, with nothing fetched
 from the internet.
 
-`index.html` and `repro.js` load onnxruntime-web from `ort/` (the files the localization's pages
-loaded from web/node_modules, copied: no CDN), run `stage.onnx` on `inputs/N.bin` (raw
-little-endian bytes, described by `inputs.json`: a browser cannot read .npz) with the provider
-that judged the item, and compare its output with `expected.bin` (float64) as repro.py does:
-rel L2 against the tolerance, "reproduced" or "fixed", printed on the page and its console and
-set as `window.reproVerdict`.
+`index.html` and `repro.js` (copies of web/stage_repro.html and web/stage_repro.js) load
+onnxruntime-web from `ort/` (the files the localization's pages loaded from web/node_modules,
+copied: no CDN), run `stage.onnx` on `inputs/N.bin` (raw little-endian bytes, described by
+`inputs.json`: a browser cannot read .npz) with the provider that judged the item, and compare
+its output with `expected.bin` (float64) as repro.py does: rel L2 against the tolerance,
+"reproduced" or "fixed", printed on the page and its console and set as `window.reproVerdict`.
 """
 from __future__ import annotations
 
@@ -17,76 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from ..backends.onnxruntime_web import NPM_PACKAGE, graph_input_types, web_dir
-
-PAGE = """<!doctype html>
-<!-- Repro of one ONNX stage in onnxruntime-web: `python -m http.server 8000` in this folder,
-     then open http://localhost:8000/ (see REPORT.md). -->
-<meta charset="utf-8">
-<title>ONNX stage repro: onnxruntime-web</title>
-<pre id="out"></pre>
-<script type="module" src="repro.js"></script>
-"""
-
-SCRIPT = r"""// Runs stage.onnx on the inputs in onnxruntime-web (from ./ort/) and compares its output with
-// the float64 expected output: "reproduced" (rel L2 over the tolerance, or not finite) or "fixed".
-const ARRAYS = {
-  float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array,
-  int8: Int8Array, uint8: Uint8Array, bool: Uint8Array, float16: Uint16Array,
-};
-const out = document.getElementById("out");
-function say(line) { out.textContent += line + "\n"; console.log(line); }
-
-async function bytes(url) {
-  const response = await fetch(url);
-  if (!response.ok) throw new Error(`GET ${url}: HTTP ${response.status}`);
-  return response.arrayBuffer();
-}
-
-function half(h) {  // an IEEE half's bits as a number (float16 outputs come back as Uint16Array)
-  const e = (h >> 10) & 31, f = h & 1023, s = h >> 15 ? -1 : 1;
-  if (e === 0) return s * f * 2 ** -24;
-  if (e === 31) return f ? NaN : s * Infinity;
-  return s * (1 + f / 1024) * 2 ** (e - 15);
-}
-
-async function main() {
-  const spec = await (await fetch("inputs.json")).json();
-  const ort = await import(`./ort/${spec.bundle}`);
-  ort.env.wasm.wasmPaths = new URL("ort/", location.href).href;
-  ort.env.wasm.numThreads = 1;
-  say(`stage ${spec.stage}: onnxruntime-web ${spec.ort_web_version}, ${spec.execution_provider} provider`);
-  const session = await ort.InferenceSession.create(new Uint8Array(await bytes("stage.onnx")), {
-    executionProviders: [spec.execution_provider], graphOptimizationLevel: "all",
-  });
-  const feeds = {};
-  for (const x of spec.inputs) {
-    feeds[x.name] = new ort.Tensor(x.dtype, new ARRAYS[x.dtype](await bytes(x.file)), x.dims);
-  }
-  const result = (await session.run(feeds, [spec.output]))[spec.output];
-  const got = result.type === "float16" && result.data instanceof Uint16Array
-    ? Array.from(result.data, half) : result.data;
-  const expected = new Float64Array(await bytes(spec.expected.file));
-  if (got.length !== expected.length) {
-    throw new Error(`output ${spec.output}: ${got.length} values, expected ${expected.length}`);
-  }
-  let num = 0, den = 0;
-  for (let i = 0; i < expected.length; i++) {
-    const d = Number(got[i]) - expected[i];
-    num += d * d;
-    den += expected[i] * expected[i];
-  }
-  const rel = Math.sqrt(num) / Math.sqrt(den);
-  const reproduced = !Number.isFinite(rel) || rel > spec.tolerance;
-  say(`stage ${spec.stage}: rel_l2 ${rel.toExponential(3)} against the reference ` +
-      `(tolerance ${spec.tolerance.toExponential(3)}): ${reproduced ? "reproduced" : "fixed"}`);
-  window.reproVerdict = { reproduced, rel_l2: rel, tolerance: spec.tolerance, user_agent: navigator.userAgent };
-}
-
-main().catch((e) => {
-  say(`cannot run here: ${e.message}`);
-  window.reproVerdict = { error: String(e.message || e) };
-});
-"""
 
 
 def browser_files(stage_onnx: Path, inputs_npz: Path, expected: np.ndarray, meta: dict,
@@ -98,7 +28,7 @@ def browser_files(stage_onnx: Path, inputs_npz: Path, expected: np.ndarray, meta
     types = graph_input_types(stage_onnx)
     with np.load(inputs_npz) as saved:
         arrays = {k: np.asarray(saved[k]) for k in saved.files if k in types}
-    files: dict = {"index.html": PAGE, "repro.js": SCRIPT}
+    files: dict = {"index.html": web_dir() / "stage_repro.html", "repro.js": web_dir() / "stage_repro.js"}
     specs = []
     for i, (name, a) in enumerate(arrays.items()):
         a = np.ascontiguousarray(a.astype(types[name]) if types[name] is not None else a)
