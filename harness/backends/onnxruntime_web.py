@@ -156,12 +156,6 @@ def webgpu_missing() -> str:
     return f"no WebGPU in headless Chromium here: {adapter['error']}" if "error" in adapter else ""
 
 
-def onnx_input_names(path: Path) -> list[str]:
-    graph = onnx.load(str(path), load_external_data=False).graph
-    initializers = {i.name for i in graph.initializer}
-    return [i.name for i in graph.input if i.name not in initializers]
-
-
 class OrtWebBackend(Backend):
     """onnxruntime-web in headless Chromium; subclasses choose the execution provider and bundle."""
 
@@ -199,7 +193,7 @@ class OrtWebBackend(Backend):
         return default_drive(page, cfg)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        return self.run_feed(artifact_path, input_feed(artifact_path, onnx_input_names(artifact_path), inputs))
+        return self.run_feed(artifact_path, input_feed(artifact_path, list(graph_input_types(artifact_path)), inputs))
 
     def run_feed(self, artifact_path: Path, feed: dict) -> list:
         """Run the ONNX file on {graph input name: tensor} in the page; `run_audit` says where it ran.

@@ -122,6 +122,7 @@ def test_a_step_onnx_judged_in_the_browser_is_localized_there_and_its_bundle_pag
     from tests.unit.test_artifact_bisect import _export
 
     bad = _export(tiny, "duration", tmp_path / "bad.onnx", "predictor.duration_proj", 1.5)
+    assert (tmp_path / "bad.onnx.data").is_file()  # its weights beside it: the page gets them as external data
     named = {}
     for runtime in ("native", "ort-web-wasm"):
         lines: list[str] = []
