@@ -153,6 +153,11 @@ class OnnxStages(Tagged):
     defects: list[dict[str, Any]] | None = None
     first_stage: str | None = None
     repro: str | None = None  # the bundle's directory
+    # an item judged on a browser runtime (`--artifact-runtime ort-web-*`): its stages ran there too
+    runtime: str | None = None  # what ran them: "onnxruntime-web 1.30.0 wasm (Chromium ...)"
+    judged_on: str | None = None  # the item's runtime (ort-web-wasm, ort-web-webgpu)
+    ran_on: dict[str, Any] | None = None  # onnxruntime-web, its files, the browser, the WebGPU adapter
+    note: str | None = None
 
 
 class PteEtdump(Tagged):

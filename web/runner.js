@@ -1,7 +1,8 @@
 // One ONNX run in onnxruntime-web, driven by harness/backends/onnxruntime_web.py through Playwright.
 // Everything comes from the loopback server that served this page: onnxruntime-web's files
-// (/ort/), the model (/model.onnx) and each input's raw bytes (/input/N); each output's raw bytes
-// are posted back to /output/N. Only names, dtypes and shapes cross the page boundary as JSON.
+// (/ort/), the model (/model.onnx), the files it keeps tensors in (/external/N) and each input's
+// raw bytes (/input/N); each output's raw bytes are posted back to /output/N. Only names, dtypes
+// and shapes cross the page boundary as JSON.
 
 const ARRAYS = {
   float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array,
@@ -73,6 +74,8 @@ window.kokoroRun = async function kokoroRun(cfg) {
     graphOptimizationLevel: "all",
     logSeverityLevel: cfg.verbose ? 0 : 2,
     logVerbosityLevel: 0,
+    // tensors kept beside the model (an exporter's model.onnx.data), fetched from the server by the session
+    externalData: (cfg.external || []).map((e) => ({ path: e.path, data: e.url })),
   });
   times.session_s = clock() - t;
   const feeds = {};

@@ -5,10 +5,11 @@ The compile is the `onnxruntime` backend's export (the same program, the same pa
 artifact key: one ONNX file serves all three). The run, in the job's child process, starts a
 loopback server (harness.backends.web_page) and a headless Chromium of its own, opens web/runner.html
 in a fresh page, creates an InferenceSession with executionProviders ['wasm'] or ['webgpu'], and
-reads the outputs back as raw bytes. A browser per run keeps each item's isolation a process's: a
+reads the outputs back as raw bytes. A browser per item keeps each item's isolation a process's: a
 renderer crash is the item's CRASHED (the page's own message), a page that never answers is the
 job's TIMEOUT (the child is killed, and its browser with it), a lost WebGPU device a RUN_ERROR with
-the browser's reason; the next item starts a new browser.
+the browser's reason; the next item starts a new browser. A localization runs its many subgraphs
+in one `BrowserSession` (one browser, a fresh page per run: `BrowserRunner`).
 
 The record says where it ran: onnxruntime-web's version and bundle, the browser's version and user
 agent, the WebGPU adapter (vendor, architecture, features, whether `shader-f16`, key limits), and
@@ -17,6 +18,7 @@ the session's graph optimizations, which fell back to the CPU (wasm) kernels, an
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -154,12 +156,6 @@ def webgpu_missing() -> str:
     return f"no WebGPU in headless Chromium here: {adapter['error']}" if "error" in adapter else ""
 
 
-def onnx_input_names(path: Path) -> list[str]:
-    graph = onnx.load(str(path), load_external_data=False).graph
-    initializers = {i.name for i in graph.initializer}
-    return [i.name for i in graph.input if i.name not in initializers]
-
-
 class OrtWebBackend(Backend):
     """onnxruntime-web in headless Chromium; subclasses choose the execution provider and bundle."""
 
@@ -197,7 +193,7 @@ class OrtWebBackend(Backend):
         return default_drive(page, cfg)
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        return self.run_feed(artifact_path, input_feed(artifact_path, onnx_input_names(artifact_path), inputs))
+        return self.run_feed(artifact_path, input_feed(artifact_path, list(graph_input_types(artifact_path)), inputs))
 
     def run_feed(self, artifact_path: Path, feed: dict) -> list:
         """Run the ONNX file on {graph input name: tensor} in the page; `run_audit` says where it ran.
@@ -215,56 +211,165 @@ def default_drive(page, cfg: dict) -> dict:
 
 
 def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str,
-                   drive=default_drive) -> tuple[dict, dict]:
-    """Run an ONNX file on named numpy arrays in onnxruntime-web in a headless Chromium started for
-    this call: ({output name: array} in the model's output order, the audit of where it ran). Any
-    ONNX file, so that what runs subgraphs of a user's ONNX (a localizer) can run them here too."""
-    arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
-    specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
-    cfg = {"bundle": bundle, "ep": execution_provider, "threads": THREADS, "verbose": True, "inputs": specs}
-    blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
-    with PageServer(files={**_page_files(), "/model.onnx": Path(model)},
-                    trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}, blobs=blobs) as server:
-        answer, console, browser = _in_browser(server.url, cfg, drive)
+                   drive=default_drive, session: "BrowserSession | None" = None) -> tuple[dict, dict]:
+    """Run an ONNX file on named numpy arrays in onnxruntime-web in a headless Chromium: ({output
+    name: array} in the model's output order, the audit of where it ran). In `session`'s browser
+    when given, else in one started for this call. Any ONNX file, so that what runs subgraphs of a
+    user's ONNX (a localizer) can run them here too."""
+    if session is not None:
+        return session.run(model, feed)
+    with BrowserSession(execution_provider, bundle, drive) as one:
+        return one.run(model, feed)
+
+
+class BrowserSession:
+    """One loopback server and one headless Chromium for many runs (a localization's marked model
+    and every subgraph cut from it), a fresh page per run. A page that crashes is that run's
+    PageCrashed and is closed; the next run gets a fresh page, and a fresh browser if the crash
+    took the browser with it. A page that never answers is the job's TIMEOUT: the job's child
+    process is killed, and its browser with it. A context manager."""
+
+    def __init__(self, execution_provider: str, bundle: str, drive=default_drive) -> None:
+        self.execution_provider, self.bundle, self.drive = execution_provider, bundle, drive
+        self.launches = 0  # browsers started (1 unless one died)
+        self.ort_files: set[str] = set()  # what the pages loaded from onnxruntime-web's dist/
+        self._stack = contextlib.ExitStack()
+        self._server: PageServer | None = None
+        self._playwright = None
+        self._browser = None
+
+    def __enter__(self) -> "BrowserSession":
+        try:
+            self._server = self._stack.enter_context(PageServer(
+                files=_page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}))
+            self._playwright = self._stack.enter_context(playwright_api.sync_playwright())
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._browser is not None:
+                self._browser.close()
+        except playwright_api.Error:
+            pass  # already gone (a crash took it)
+        finally:
+            self._browser = None
+            self._stack.close()
+
+    def browser(self):
+        """The session's browser, started again when the last one is gone."""
+        if self._browser is None or not self._browser.is_connected():
+            self._browser = launch_chromium(self._playwright, webgpu=self.execution_provider == "webgpu")
+            self.launches += 1
+        return self._browser
+
+    def run(self, model: Path, feed: dict) -> tuple[dict, dict]:
+        """`run_in_browser`'s run, in a fresh page of this session's browser."""
+        arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
+        specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
+        side = side_files(Path(model))
+        cfg = {"bundle": self.bundle, "ep": self.execution_provider, "threads": THREADS, "verbose": True,
+               "inputs": specs, "external": [{"path": loc, "url": f"/external/{i}"} for i, loc in enumerate(side)]}
+        server = self._server
+        server.files = {**_page_files(), "/model.onnx": Path(model),
+                        **{f"/external/{i}": f for i, f in enumerate(side.values())}}
+        server.blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
+        server.posted.clear()
+        del server.requests[:]
+        answer, console, browser = _in_page(self.browser(), server.url, cfg, self.drive)
+        self.ort_files.update(r.split()[1][len("/ort/"):] for r in server.requests
+                              if r.startswith("GET /ort/") and r.endswith(" 200"))
         outputs = {}
         for i, out in enumerate(answer["outputs"]):
             raw = server.posted.get(f"/output/{i}")
             if raw is None:
                 raise RuntimeError(f"output {out['name']}: the page posted no bytes")
             outputs[out["name"]] = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"]).copy()
-    audit = {"ort_web": {"version": ort_web_version(), "bundle": bundle, "execution_provider": execution_provider,
-                         "wasm_threads": THREADS, "page_s": answer["times"]},
-             "browser": browser, "webgpu_adapter": answer.get("adapter")}
-    found = placement(console)
-    # the wasm provider is onnxruntime's CPU provider: all of it is "on the CPU", no fallback to name
-    audit.update(found if execution_provider == "webgpu" else {"placement": found["placement"]})
-    return outputs, audit
+        audit = {"ort_web": {"version": ort_web_version(), "bundle": self.bundle,
+                             "execution_provider": self.execution_provider, "wasm_threads": THREADS,
+                             "page_s": answer["times"]},
+                 "browser": browser, "webgpu_adapter": answer.get("adapter")}
+        found = placement(console)
+        # the wasm provider is onnxruntime's CPU provider: all of it is "on the CPU", no fallback to name
+        audit.update(found if self.execution_provider == "webgpu" else {"placement": found["placement"]})
+        return outputs, audit
 
 
-def _in_browser(url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
-    """(the page's answer, its console lines, the browser's version and user agent), in a browser
-    started for this run and closed after it."""
+class BrowserRunner:
+    """A localizer's runner on onnxruntime-web, as `run_onnx` is on onnxruntime CPU: (ONNX path,
+    {name: array}, output names or None) -> {name: array}, each run in a fresh page of `session`.
+    Inputs the graph does not take are dropped and the others cast to its declared types, as an
+    onnxruntime session casts them, since the page builds its tensors from the bytes as they are."""
+
+    def __init__(self, session: BrowserSession) -> None:
+        self.session = session
+        self.audit: dict = {}  # the last run's: onnxruntime-web, the browser, the adapter
+
+    def __call__(self, path: Path, feed: dict, outputs: list[str] | None = None) -> dict:
+        types = graph_input_types(path)
+        arrays = {k: np.asarray(v) for k, v in feed.items() if k in types}
+        arrays = {k: a.astype(types[k]) if types[k] is not None else a for k, a in arrays.items()}
+        got, self.audit = self.session.run(Path(path), arrays)
+        return {n: got[n] for n in outputs} if outputs else got
+
+    def about(self) -> dict:
+        """Where the stages ran (the record's `ran_on`): onnxruntime-web's version, bundle, provider
+        and the dist/ files its pages loaded, the browser, the WebGPU adapter."""
+        ort_web = {k: v for k, v in self.audit.get("ort_web", {}).items() if k != "page_s"}
+        return {"ort_web": {**ort_web, "files": sorted(self.session.ort_files)},
+                "browser": self.audit.get("browser"), "webgpu_adapter": self.audit.get("webgpu_adapter"),
+                "browsers_started": self.session.launches}
+
+
+def side_files(model: Path) -> dict[str, Path]:
+    """{location: file} of the tensors an ONNX keeps beside it (an exporter's `model.onnx.data`):
+    the page hands them to the session as its external data, served as the model is."""
+    graph = onnx.load(str(model), load_external_data=False).graph
+    found = {}
+    for t in graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc:
+                found.setdefault(loc, Path(model).parent / loc)
+    return found
+
+
+def graph_input_types(path: Path) -> dict[str, np.dtype | None]:
+    """{graph input: its numpy dtype, None when the graph does not declare one}."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {i.name for i in graph.initializer}
+    elem = lambda v: v.type.tensor_type.elem_type  # noqa: E731
+    return {v.name: onnx.helper.tensor_dtype_to_np_dtype(elem(v)) if elem(v) else None
+            for v in graph.input if v.name not in initializers}
+
+
+def _in_page(browser, url: str, cfg: dict, drive) -> tuple[dict, list[str], dict]:
+    """(the page's answer, its console lines, the browser's version and user agent), in a page
+    opened for this run and closed after it."""
     console: list[str] = []
     crashed: list[str] = []
-    with playwright_api.sync_playwright() as p:
-        browser = launch_chromium(p, webgpu=cfg["ep"] == "webgpu")
+    page = browser.new_page()
+    try:
+        page.on("console", lambda m: console.append(m.text))
+        page.on("crash", lambda _: crashed.append("the page's renderer crashed"))
+        page.goto(url + "/runner.html")
+        page.wait_for_function("window.kokoroReady === true")
+        about = {"version": browser.version, "user_agent": page.evaluate("navigator.userAgent")}
         try:
-            page = browser.new_page()
-            page.on("console", lambda m: console.append(m.text))
-            page.on("crash", lambda _: crashed.append("the page's renderer crashed"))
-            page.goto(url + "/runner.html")
-            page.wait_for_function("window.kokoroReady === true")
-            about = {"version": browser.version, "user_agent": page.evaluate("navigator.userAgent")}
-            try:
-                answer = drive(page, cfg)
-            except playwright_api.Error as e:
-                message = first_error_line(e)
-                if crashed or "crash" in message.lower():
-                    raise PageCrashed(f"Chromium {browser.version}: {message}") from None
-                raise RuntimeError(f"onnxruntime-web ({cfg['ep']}): {message}") from None
-        finally:
-            _print_kept(console)
-            browser.close()
+            answer = drive(page, cfg)
+        except playwright_api.Error as e:
+            message = first_error_line(e)
+            if crashed or "crash" in message.lower():
+                raise PageCrashed(f"Chromium {browser.version}: {message}") from None
+            raise RuntimeError(f"onnxruntime-web ({cfg['ep']}): {message}") from None
+    finally:
+        _print_kept(console)
+        try:
+            page.context.close()  # new_page's own context: its page, caches and workers
+        except playwright_api.Error:
+            pass  # a crashed page's context may be gone with it
     return answer, console, about
 
 

@@ -34,7 +34,7 @@ from ..plumbing.errors import UsageError
 from ..plumbing.files import content_key, sha256_file_cached as sha256_file
 from . import Backend, get_backend
 from .onnx_child import run_onnx
-from .onnxruntime_web import NPM_PACKAGE, browser_missing, chromium_version, ort_web_version, webgpu_missing
+from .onnxruntime_web import NPM_PACKAGE, browser_missing, chromium_version, ort_web_version, side_files, webgpu_missing
 from .tvm_library import run_library
 
 # imported at their first use (harness.plumbing.deferred)
@@ -217,22 +217,11 @@ def external_data(path: Path) -> list[str]:
     st = os.stat(path)
     stamp = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if stamp not in _EXTERNAL:
-        _EXTERNAL[stamp] = _external_data(path)
+        _EXTERNAL[stamp] = list(side_files(Path(path)))
     return list(_EXTERNAL[stamp])
 
 
 _EXTERNAL: dict[tuple, list[str]] = {}
-
-
-def _external_data(path: Path) -> list[str]:
-    model = onnx.load(str(path), load_external_data=False)
-    found = []
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            loc = next((e.value for e in t.external_data if e.key == "location"), None)
-            if loc and loc not in found:
-                found.append(loc)
-    return found
 
 
 def _tree_digest(path: Path) -> str:

@@ -30,7 +30,7 @@ def partial_bundle(out: Path) -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        for p in tmp.iterdir():
+        for p in tmp.rglob("*"):
             if p.is_file():
                 p.chmod(0o644)
         shutil.rmtree(out, ignore_errors=True)
@@ -54,6 +54,7 @@ def write_meta(directory: Path, meta: dict) -> None:
 
 
 def _write(path: Path, content: Content) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)  # a bundle's own folders (a page's `ort/`)
     if isinstance(content, str):
         path.write_text(content)
     elif isinstance(content, bytes):

@@ -13,7 +13,7 @@
   compiled library (no intermediate values), a harness step (its backend's item is localized), a
   bucketed stage (module references exist for the exact lengths only).
 
-A stage run on onnxruntime-web is localized on onnxruntime CPU (`native_localization`). With more
+A stage run on onnxruntime-web is localized there too (onnx_stages.stage_runner). With more
 than one stage, `bisect` is `{"kind": "port-chain", "stages": {stage: its localization}}`, each
 stage's bundle in its own directory, and the reason lists the defects found inside every stage,
 each named `stage/module`.
@@ -29,7 +29,7 @@ import onnx
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
 from ..record import OnnxStages, PortChain, PteEtdump, Unlocalized
-from .onnx_stages import localize, native_localization, stage_lines
+from .onnx_stages import localize, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
 from .pte_stages import NO_ETRECORD, PteTarget, localize_pte_file, pte_lines
@@ -81,12 +81,11 @@ def localize_stage(session, item, port: Port, stage: StageSpec, rec, log, module
     tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
     run_dir = session.report_dir / "runs" / item.id / "localize"
     if whole_model(stage):
-        localize(session, path, item.case, rec, tol, run_dir / stage.name if chain else run_dir, log)
+        localize(session, path, item.case, rec, tol, run_dir / stage.name if chain else run_dir, log, stage.runtime)
     elif kind_of(path) == "executorch":
         localize_pte_stage(session, item, stage, port.root, rec, tol, run_dir / stage.name, log)
     else:
         localize_port_stage(session, item, stage, path, modules(), rec, tol, run_dir / stage.name, log)
-    native_localization(rec, stage.runtime, log)
 
 
 def whole_model(stage: StageSpec) -> bool:
@@ -128,7 +127,7 @@ def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, 
     where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "roots": roots,
              "repro": f"{item.id}/{stage.name}"}
     return localize_modules(session, path, item.case, reached(ran, map(place, model.graph.node)), feed, rec,
-                            tol, run_dir, where, log=log)
+                            tol, run_dir, where, log=log, runtime=stage.runtime)
 
 
 def localize_pte_stage(session, item, stage: StageSpec, root: Path, rec, tol, run_dir: Path, log) -> None:

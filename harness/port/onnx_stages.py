@@ -19,9 +19,13 @@ first.
   artifact (random ops seeded alike), the audio with and without it compared (`rank_defects`).
 - *Repro*: the extracted subgraph, its inputs, the expected output and a repro.py that imports only
   numpy and onnxruntime (exit 1 reproduced, 0 fixed, 2 cannot run here).
+- *Where*: every ONNX run here (marked, cut, fed) is on the runtime that judged the item: onnxruntime
+  CPU, or onnxruntime-web in one headless Chromium (`stage_runner`), whose bundle then holds a
+  static page that runs the stage in the browser (harness.port.web_repro).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -30,6 +34,8 @@ import numpy as np
 import onnx
 import torch
 
+from ..backends import get_backend
+from ..backends.onnxruntime_web import BrowserRunner, BrowserSession
 from ..backends.prebuilt import NATIVE
 from ..metrics import fmt
 from ..metrics.audio import audio_metrics
@@ -48,6 +54,7 @@ from .noise import DIRECTIONS, noise_band, session_k
 from .onnx_graph import (depends_on_inputs, draws_noise, durations_tensor, force_input, given_copy, marked_copy,
                          node_module, run_onnx, seeded_copy)
 from .tensors import reference as tensor_ref
+from .web_repro import browser_files
 
 # (module path, what it is). Deterministic unless the artifact draws its own noise from
 # decoder.generator.m_source on (then the audio band judges the end).
@@ -135,8 +142,32 @@ def float_boundaries(model, groups: dict) -> dict:
     return groups
 
 
-def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
-    """Job function (child process): mark, run, extract and run each stage locally."""
+@contextlib.contextmanager
+def stage_runner(runtime: str = NATIVE):
+    """What runs the marked model and every subgraph cut from it: onnxruntime CPU (`run_onnx`), or
+    the browser runtime that judged the item (`--artifact-runtime ort-web-*`), one browser for all
+    of them, so that the stage named is the one the browser computes wrong."""
+    if runtime == NATIVE:
+        yield run_onnx
+        return
+    web = get_backend(runtime)
+    with BrowserSession(web.execution_provider, web.bundle) as session:
+        yield BrowserRunner(session)
+
+
+def ran_on(run) -> dict:
+    """A job's account of where its stages ran: {} on onnxruntime CPU (`stage_runner`)."""
+    return {"ran_on": run.about()} if isinstance(run, BrowserRunner) else {}
+
+
+def localize_job(artifact: str, reference_path: str, out_dir: str, runtime: str = NATIVE) -> dict:
+    """Job function (child process): mark, run, extract and run each stage locally, on `runtime`."""
+    with stage_runner(runtime) as run:
+        return {**localize_stages(artifact, reference_path, out_dir, run), **ran_on(run)}
+
+
+def localize_stages(artifact: str, reference_path: str, out_dir: str, run=run_onnx) -> dict:
+    """`localize_job`'s work, each ONNX run by `run` (`run_onnx`'s signature)."""
     ref = torch.load(reference_path, weights_only=False)
     out_dir = Path(out_dir)
     model = onnx.load(artifact, load_external_data=False)
@@ -148,7 +179,7 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
         artifact = str(seeded_copy(Path(artifact), out_dir / "seeded.onnx"))
     marked = marked_copy(Path(artifact), out_dir / "marked.onnx", candidates)
     feed = ref["feed"]
-    values = run_onnx(marked, feed)
+    values = run(marked, feed)
     audio_name = model.graph.output[0].name
     unforced_audio = np.asarray(values[audio_name]).reshape(-1)
     forced = False
@@ -161,7 +192,7 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
             # reference's durations forced (the durations tensor becomes an input)
             cut = force_input(marked, out_dir / "forced.onnx", dur, own.dtype)
             feed = {**feed, dur: ref_dur.astype(own.dtype).reshape(own.shape)}
-            values = run_onnx(cut, feed)
+            values = run(cut, feed)
             values[dur] = own
             forced = True
             source = force_input(Path(artifact), out_dir / "forced.onnx", dur, own.dtype)
@@ -173,7 +204,7 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
         if g is not None and path == "decoder.generator.istft" and rows.get("decoder.generator.conv_post", {}).get(
                 "tensor"):  # the tail: everything from conv_post's output to the audio (exp, sin, inverse STFT)
             g = {**g, "inputs": [rows["decoder.generator.conv_post"]["tensor"]]}
-        rows[path] = stage_row(path, what, g, values, {**ref, "feed": feed, "dynamic": dynamic}, source, out_dir)
+        rows[path] = stage_row(path, what, g, values, {**ref, "feed": feed, "dynamic": dynamic}, source, out_dir, run)
     if dur:
         rows["pred_dur"] = {"what": "durations (Round, Clip)", "mapped": True, "tensor": dur,
                             "chained": np.asarray(values[dur]).reshape(-1)}
@@ -186,10 +217,11 @@ def localize_job(artifact: str, reference_path: str, out_dir: str) -> dict:
             "unmapped": {p: r["why"] for p, r in rows.items() if not r.get("mapped")}}
 
 
-def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict, source: Path, out_dir: Path) -> dict:
+def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict, source: Path, out_dir: Path,
+              run=run_onnx) -> dict:
     """One module in the marked run: its output tensor (chained) and its subgraph fed the
-    reference's inputs (local), or why it could not be mapped. `ref` holds `fp32`, `fp32_in`,
-    `feed` (the graph's inputs) and `dynamic` (`depends_on_inputs`)."""
+    reference's inputs (local, run by `run`), or why it could not be mapped. `ref` holds `fp32`,
+    `fp32_in`, `feed` (the graph's inputs) and `dynamic` (`depends_on_inputs`)."""
     if group is None:
         return {"what": what, "mapped": False, "why": "no ONNX node is named after this module"}
     want = ref["fp32"].get(path)
@@ -206,14 +238,15 @@ def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict,
     tensor = min(match, key=lambda t: rel_l2(values[t], want))
     row = {"what": what, "mapped": True, "tensor": tensor, "nodes": len(group["nodes"]), "candidates": len(match),
            "chained": best_layout(values[tensor], want), "chained_raw": np.asarray(values[tensor])}
-    row.update(_local(source, group, tensor, ref, path, values, out_dir / "stages" / path))
+    row.update(_local(source, group, tensor, ref, path, values, out_dir / "stages" / path, run))
     return row
 
 
 SAME_VALUE = 0.1  # rel L2 within which a reused or computed reference value is the artifact's input
 
 
-def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, values: dict, where: Path) -> dict:
+def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, values: dict, where: Path,
+           run=run_onnx) -> dict:
     """Extract the module's subgraph and feed it the reference's inputs of the module: each float
     input the reference value nearest the artifact's own (any axis order), among the module's
     captured arguments and what an export may compute from them outside the module
@@ -259,10 +292,11 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
             feed[x] = own_a  # shapes, lengths, quantization scales: the artifact's own values
         else:
             return {"local_error": f"input {x!r} matches none of the module's reference inputs"}
-    return _run_cut(artifact, feed, fed, tensor, ref, path, where)
+    return _run_cut(artifact, feed, fed, tensor, ref, path, where, run)
 
 
-def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path) -> dict:
+def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path,
+             run=run_onnx) -> dict:
     """The module's subgraph (inputs `feed`, output `tensor`) cut out of the artifact and run."""
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
         feed.setdefault(k, v)
@@ -270,7 +304,7 @@ def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path
     sub = where / "stage.onnx"
     try:
         onnx.utils.extract_model(str(artifact), str(sub), list(feed), [tensor], check_model=False)
-        got = run_onnx(sub, feed, [tensor])[tensor]
+        got = run(sub, feed, [tensor])[tensor]
     except Exception as e:  # noqa: BLE001 - a stage that cannot be cut out is reported, not fatal
         return {"local_error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     np.savez(where / "inputs.npz", **{k: np.asarray(v) for k, v in feed.items()})
@@ -358,23 +392,28 @@ def source_inputs(km, seen: dict) -> list[tuple[str, torch.Tensor]]:
             ("the voiced mask of the upsampled F0 (f0_upsamp, SineGen._f02uv)", mask(up))]
 
 
-def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path):
-    """The ONNX side of a localization in a child process (a crashing onnxruntime stays there): the
-    reference written beside it, then (job result, the job's stage rows or None)."""
+def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path, runtime: str = NATIVE):
+    """The ONNX side of a localization in a child process (a crashing onnxruntime or browser stays
+    there), its ONNX runs on `runtime` (`stage_runner`): the reference written beside it, then (job
+    result, the job's stage rows or None). A page per run in the browser: a longer limit."""
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "reference.pt", lambda f: torch.save(ref, f))
     result = run_job(job, dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"),
-                               out_dir=str(run_dir)), run_dir / "job", session.limits.run_s * 2)
+                               out_dir=str(run_dir), runtime=runtime), run_dir / "job",
+                     session.limits.run_s * (2 if runtime == NATIVE else 4))
     return result, (torch.load(run_dir / "stages.pt", weights_only=False) if result.ok else None)
 
 
-def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log=print) -> dict:
-    """Run the localization of one whole-model ONNX on one case; fills `rec.bisect`."""
+def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log=print,
+             runtime: str = NATIVE) -> dict:
+    """Run the localization of one whole-model ONNX on one case, its stages on `runtime` (the one
+    that judged the item); fills `rec.bisect`."""
     traces = session.traces(case_id)
     noisy = draws_noise(onnx.load(str(artifact), load_external_data=False))
     ref = reference_captures(session.model, traces, zero_noise=not noisy)
     log(f"localizing inside {artifact.name}: marking module outputs, extracting each stage ...")
-    result, rows = run_localize_job(session, "harness.port.onnx_stages:localize_job", artifact, ref, run_dir)
+    result, rows = run_localize_job(session, "harness.port.onnx_stages:localize_job", artifact, ref, run_dir,
+                                    runtime)
     if not result.ok:
         rec.bisect = Unlocalized(error=f"localization failed: {result.error}")
         return rec.bisect
@@ -415,19 +454,21 @@ def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log
     rec.bisect = OnnxStages(artifact=str(artifact), noise="draws its own" if noisy else "none drawn",
                             forced_durations=result.value.get("forced_durations", False),
                             stages=table, unmapped=[e["stage"] for e in table if not e["mapped"]])
+    localized_on(rec, runtime, result.value.get("ran_on"), log)
     audio_row = rows.get("audio") or {}
     if audio_row.get("mapped") and rec.bisect.forced_durations:
         rec.bisect.forced_audio = band_rows(session, case_id, traces, audio_row["chained"], tol)
     defects = [e for e in table if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]]
     if defects:
-        rec.bisect.defects = rank_defects(session, defects, rows, ref, run_dir, noisy)
+        rec.bisect.defects = rank_defects(session, defects, rows, ref, run_dir, noisy, runtime)
         rec.reason = (rec.reason + "; " if rec.reason else "") + defects_reason(rec.bisect.defects)
     if first is not None:
         rec.bisect.first_stage = first["stage"]
         sub = row_sub(rows, first["stage"])
         if sub is not None:
             rec.bisect.repro = write_repro(session.report_dir / "repro" / f"{case_id}-{artifact.stem}",
-                                              rows[first["stage"]], ref, first["stage"], tol)
+                                           rows[first["stage"]], ref, first["stage"], tol,
+                                           result.value.get("ran_on"))
     for line in stage_lines(rec.bisect):
         log(line)
     return rec.bisect
@@ -449,14 +490,16 @@ def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict
 
 # ---- every defect, ranked by what taking it out alone does to the audio ------------------------
 
-def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: Path, noisy: bool) -> list[dict]:
+def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: Path, noisy: bool,
+                 runtime: str = NATIVE) -> list[dict]:
     """Each stage whose local error leaves its tolerance, with its kind, its rank and its audio
     effect. Its own error is taken out of its chained output (`without_own_error`) and the
     artifact runs on from there; the same run fed the stage's own chained value gives the audio
     with it, so that both carry the same noise (random ops seeded alike in both copies). The
     defect's effect is how far it moves the audio: the SNR of the audio with it against the audio
     without it (lower: a larger effect); ranked by it, a stage with NaN or Inf first. The audio
-    metrics of both against the reference's (no PESQ) are recorded beside it."""
+    metrics of both against the reference's (no PESQ) are recorded beside it. The runs are on
+    `runtime`, as the stages'."""
     audio_tensor = (rows.get("audio") or {}).get("tensor")
     pairs, given = {}, {}
     for e in defects:
@@ -469,7 +512,7 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
         else:
             given[e["stage"]] = (row["tensor"], raw, fixed)
     if given:
-        pairs.update(run_effects(session, given, run_dir))
+        pairs.update(run_effects(session, given, run_dir, runtime))
     found = [{"stage": e["stage"], "kind": e["local"]["kind"], "local_rel_l2": e["local"]["rel_l2"],
               "floor_rel_l2": e["local"]["floor_rel_l2"],
               "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))} for e in defects]
@@ -482,27 +525,31 @@ def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
     return min(layouts(value, raw.shape), key=lambda a: rel_l2(a, own)).astype(raw.dtype)
 
 
-def run_effects(session, given: dict, run_dir: Path) -> dict:
+def run_effects(session, given: dict, run_dir: Path, runtime: str = NATIVE) -> dict:
     """{stage: (audio with its own value fed, audio with its error taken out)}, the artifact run
-    in a child process as the stages ran; a stage whose runs fail is left out."""
+    in a child process on `runtime` as the stages ran; a stage whose runs fail is left out."""
     atomic_write(run_dir / "given.pt", lambda f: torch.save(given, f))
-    result = run_job("harness.port.onnx_stages:effects_job", dict(out_dir=str(run_dir)), run_dir / "effects",
-                     session.limits.run_s * 4)
+    result = run_job("harness.port.onnx_stages:effects_job", dict(out_dir=str(run_dir), runtime=runtime),
+                     run_dir / "effects", session.limits.run_s * 4)
     return torch.load(run_dir / "effects.pt", weights_only=False) if result.ok else {}
 
 
-def effects_job(out_dir: str) -> dict:
+def effects_job(out_dir: str, runtime: str = NATIVE) -> dict:
     """Job function (child process): per stage, the artifact (its random ops seeded) run twice
-    with that stage's tensor fed: its own chained value, then the value without its error."""
-    out = Path(out_dir)
-    run = torch.load(out / "run.pt", weights_only=False)
+    on `runtime` with that stage's tensor fed: its own chained value, then the value without its error."""
+    with stage_runner(runtime) as run:
+        return _effects(Path(out_dir), run)
+
+
+def _effects(out: Path, run) -> dict:
+    job = torch.load(out / "run.pt", weights_only=False)
     given = torch.load(out / "given.pt", weights_only=False)
-    seeded = seeded_copy(Path(run["source"]), out / "effects-seeded.onnx")
+    seeded = seeded_copy(Path(job["source"]), out / "effects-seeded.onnx")
     pairs, errors = {}, {}
     for stage, (tensor, own, fixed) in given.items():
         try:
             cut, name = given_copy(seeded, out / "given.onnx", tensor, own.dtype)
-            pairs[stage] = tuple(np.asarray(run_onnx(cut, {**run["feed"], name: v}, [run["audio"]])[run["audio"]])
+            pairs[stage] = tuple(np.asarray(run(cut, {**job["feed"], name: v}, [job["audio"]])[job["audio"]])
                                  .reshape(-1) for v in (own, fixed))
         except Exception as e:  # noqa: BLE001 - a stage whose value cannot be fed is left unranked
             errors[stage] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -638,9 +685,11 @@ sys.exit(1 if not np.isfinite(rel) or rel > meta["tolerance"] else 0)
 '''
 
 
-def write_repro(out: Path, row: dict, ref: dict, path: str, tol) -> str:
+def write_repro(out: Path, row: dict, ref: dict, path: str, tol, where: dict | None = None) -> str:
     """The stage's bundle (plumbing.bundle's layout): its subgraph, inputs, float64 expected
-    output, meta.json, REPORT.md and a repro.py needing numpy and onnxruntime only."""
+    output, meta.json, REPORT.md and a repro.py needing numpy and onnxruntime only; when the stage
+    ran in onnxruntime-web (`where`: the job's `ran_on`), also the static page that runs it there
+    (harness.port.web_repro)."""
     src = Path(row["subgraph"])
     expected = ref["fp64"][path].double().numpy()
     floor = error_metrics(ref["fp32"][path], ref["fp64"][path])["rel_l2"]
@@ -657,9 +706,14 @@ def write_repro(out: Path, row: dict, ref: dict, path: str, tol) -> str:
               f"gives relative L2 error {_num(rel)} against the float64 expected output `expected.npy`; "
               f"PyTorch float32's own error is {_num(floor)}, the tolerance {tolerance:.3e}.\n\n"
               "`python repro.py` (numpy and onnxruntime only): exit 1 reproduced, 0 fixed, 2 cannot run here.\n")
+    page = {}
+    if where and where.get("ort_web"):
+        page, section = browser_files(src, src.parent / "inputs.npz", expected, meta, where)
+        meta["ran_on"] = {k: where[k] for k in ("ort_web", "browser") if k in where}
+        report += section
     write_bundle_dir(out, {"stage.onnx": src, "inputs.npz": src.parent / "inputs.npz",
-                           "expected.npy": lambda p: np.save(p, expected), "REPORT.md": report, "repro.py": REPRO},
-                     meta=meta)
+                           "expected.npy": lambda p: np.save(p, expected), "REPORT.md": report, "repro.py": REPRO,
+                           **page}, meta=meta)
     return str(out)
 
 
@@ -667,16 +721,17 @@ def _num(x) -> str:
     return "n/a" if x is None else f"{x:.3e}"
 
 
-# what `--bisect` says of an item whose file ran on another runtime (`--artifact-runtime ort-web-*`)
-NATIVE_LOCALIZATION = ("localized on onnxruntime CPU: the browser run is judged, the stages are cut and run "
-                       "natively")
-
-
-def native_localization(rec, runtime: str, log) -> None:
-    """Say, in the record and the output, that an item judged on `runtime` was localized on onnxruntime CPU."""
-    if runtime != NATIVE and isinstance(rec.bisect, OnnxStages):
-        rec.bisect.runtime = "onnxruntime CPU"
-        rec.bisect.judged_on = runtime
-        rec.bisect.note = f"{NATIVE_LOCALIZATION} ({runtime} is the judged run)"
-        log(rec.bisect.note)
+def localized_on(rec, runtime: str, where: dict | None, log) -> None:
+    """Say, in the record and the output, that an item judged on a browser runtime had its stages
+    run there too (`where`: the job's `ran_on`, what ran them); nothing for onnxruntime CPU."""
+    if runtime == NATIVE or not isinstance(rec.bisect, OnnxStages):
+        return
+    web, browser = (where or {}).get("ort_web") or {}, (where or {}).get("browser") or {}
+    rec.bisect.runtime = (f"onnxruntime-web {web.get('version', '?')} {web.get('execution_provider', '?')} "
+                          f"(Chromium {browser.get('version', '?')})")
+    rec.bisect.judged_on = runtime
+    rec.bisect.ran_on = where
+    rec.bisect.note = (f"localized on {runtime}: the marked model and every stage's subgraph ran in "
+                       f"{rec.bisect.runtime}, as the judged run")
+    log(rec.bisect.note)
 

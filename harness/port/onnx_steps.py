@@ -16,7 +16,8 @@ the step's module instead of the whole model.
 - *References*: `reference.module_captures` (`path:out` and `path:in`, float32 and float64, one
   teacher-forced run of the step on the exact lengths, cached). Each stage is judged chained (the
   marked run) and locally (its extracted subgraph fed the reference's inputs) against the fp32
-  floor with the item's tolerance, and the repro bundle is onnx_stages' (numpy + onnxruntime only).
+  floor with the item's tolerance, and the repro bundle is onnx_stages' (numpy + onnxruntime only;
+  a static page too when the item ran in onnxruntime-web, whose browser runs the stages as well).
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, module_captures
 from ..steps import get_step
 from ..verdict import comparator
 from . import tensors
-from .onnx_stages import (depends_on_inputs, float_boundaries, judge_row, marked_copy, module_groups,
-                          native_localization, run_localize_job, run_onnx, stage_lines, stage_row, write_repro)
+from .onnx_stages import (depends_on_inputs, float_boundaries, judge_row, localized_on, marked_copy, module_groups,
+                          ran_on, run_localize_job, run_onnx, stage_lines, stage_row, stage_runner, write_repro)
 
 STAGE_DEPTH = 2  # module levels below the step's module that become stages
 MAX_PREFIX = 3  # leading name segments an export may add (a wrapper module, `kmodel.`)
@@ -249,9 +250,14 @@ def _place_unnamed(model, where: list) -> list[str]:
 
 # ---- the job (child process) and the item --------------------------------------------------------
 
-def localize_step_job(artifact: str, reference_path: str, out_dir: str) -> dict:
-    """Job function (child process): place the nodes, mark, run, extract and run each stage."""
+def localize_step_job(artifact: str, reference_path: str, out_dir: str, runtime: str = NATIVE) -> dict:
+    """Job function (child process): place the nodes, mark, run, extract and run each stage, on
+    `runtime` (onnx_stages.stage_runner)."""
+    with stage_runner(runtime) as run:
+        return {**_localize_step(artifact, reference_path, out_dir, run), **ran_on(run)}
 
+
+def _localize_step(artifact: str, reference_path: str, out_dir: str, run=run_onnx) -> dict:
     ref = torch.load(reference_path, weights_only=False)
     out = Path(out_dir)
     model = onnx.load(artifact, load_external_data=False)
@@ -259,35 +265,37 @@ def localize_step_job(artifact: str, reference_path: str, out_dir: str) -> dict:
     groups = float_boundaries(model, module_groups(model, [p for p, _ in ref["stages"]], node_path=node_path))
     candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])]
     marked = marked_copy(Path(artifact), out / "marked.onnx", candidates)
-    values = run_onnx(marked, ref["feed"])
+    values = run(marked, ref["feed"])
     marked.unlink()
     local_ref = {**ref, "dynamic": depends_on_inputs(model)}
-    rows = {p: stage_row(p, what, groups.get(p), values, local_ref, Path(artifact), out) for p, what in ref["stages"]}
+    rows = {p: stage_row(p, what, groups.get(p), values, local_ref, Path(artifact), out, run)
+            for p, what in ref["stages"]}
     torch.save(rows, out / "stages.pt")
     return {"names": how, "mapped": [p for p, r in rows.items() if r.get("mapped")]}
 
 
 def localize_step(session, artifact: Path, case_id: str, step: str, input_mapping: dict, rec, tol, run_dir: Path,
-                  variant: tuple[str, ...] = (), log=print) -> dict:
+                  variant: tuple[str, ...] = (), log=print, runtime: str = NATIVE) -> dict:
     """Localize inside one step's ONNX on one case (exact lengths); fills `rec.bisect` with
     onnx_stages' structure, so reports and the dashboard show it as a whole model's. `variant`:
-    the item's semantics-changing patches (a port's own STFT), carried by the module references."""
+    the item's semantics-changing patches (a port's own STFT), carried by the module references;
+    `runtime`: the one that judged the item, which runs the stages too."""
     traces = session.traces(case_id)
     ran = step_modules(session.model, step, traces, variant)
     inputs = traces.inputs(step, "dynamic", "float32")
     feed = {port: inputs[name].numpy() for port, name in input_mapping.items()}
     return localize_modules(session, artifact, case_id, ran, feed, rec, tol, run_dir,
                             {"step": step, "what": f"step {step!r}", "roots": step_roots(ran["order"]),
-                             "repro": f"{case_id}-{step}-{artifact.stem}"}, variant, log)
+                             "repro": f"{case_id}-{step}-{artifact.stem}"}, variant, log, runtime)
 
 
 def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dict, rec, tol, run_dir: Path,
-                     where: dict, variant: tuple[str, ...] = (), log=print) -> dict:
+                     where: dict, variant: tuple[str, ...] = (), log=print, runtime: str = NATIVE) -> dict:
     """The Kokoro modules of `ran` (a hooked run: step_modules, model_modules) with parameters,
     each judged inside the ONNX fed `feed` (its graph inputs): chained and locally, against the
     module captures; fills `rec.bisect` (kind `onnx-stages`; `where`: the key naming what was cut,
     `step` or `port_stage`, its `what` for the errors, the `roots` its node names resolve under and
-    the `repro` bundle's directory name)."""
+    the `repro` bundle's directory name); the ONNX runs on `runtime` (onnx_stages.stage_runner)."""
 
     traces = session.traces(case_id)
     stages, skipped = choose_stages(ran)
@@ -308,7 +316,8 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     job_ref = {k: ref[k] for k in ("feed", "fp32", "fp32_in")}
     job_ref.update(paths=ran["paths"], roots=where["roots"], stages=[(p, ran["types"][p]) for p in stages])
     log(f"localizing inside {artifact.name} ({len(stages)} modules of {where['what']}): marking, extracting each ...")
-    result, rows = run_localize_job(session, "harness.port.onnx_steps:localize_step_job", artifact, job_ref, run_dir)
+    result, rows = run_localize_job(session, "harness.port.onnx_steps:localize_step_job", artifact, job_ref, run_dir,
+                                    runtime)
     if not result.ok:
         return _no_stages(rec, f"localization failed: {result.error}", log)
     table, first = judge_modules(ran, skipped, rows, ref, caps, comparator(tol))
@@ -316,9 +325,11 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     key = "step" if "step" in where else "port_stage"
     rec.bisect = OnnxStages(artifact=str(artifact), names=names, stages=table,
                             unmapped=[e["stage"] for e in table if not e["mapped"]], **{key: where[key]})
+    localized_on(rec, runtime, result.value.get("ran_on"), log)
     if first is not None:
         rec.bisect.first_stage = first
-        rec.bisect.repro = write_repro(session.report_dir / "repro" / where["repro"], rows[first], ref, first, tol)
+        rec.bisect.repro = write_repro(session.report_dir / "repro" / where["repro"], rows[first], ref, first, tol,
+                                       result.value.get("ran_on"))
     for line in stage_lines(rec.bisect):
         log(line)
     return rec.bisect
@@ -363,7 +374,7 @@ def judge_modules(ran: dict, skipped: dict, rows: dict, ref: dict, caps: dict, c
 def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE) -> dict:
     """`--bisect` on a failing `--artifact STEP=PATH` item: inside an ONNX, stage by stage; any
     other format is judged whole, with the reason in `rec.bisect`. Rewrites the record. An item
-    judged on a browser runtime is localized on onnxruntime CPU, and the record says so."""
+    judged on a browser runtime is localized in that browser runtime, and the record says so."""
     path = Path(item.path)
     kind = kind_of(path)
     why = None
@@ -384,7 +395,6 @@ def localize_artifact_item(session, item, rec, log=print, runtime: str = NATIVE)
         variant = affecting([p for p in rec.patches if p not in REFERENCE_PATCHES["dynamic"]
                              and p not in NEUTRAL_PATCHES], item.step)  # as reference.references_for picks them
         localize_step(session, path, item.case, item.step, rec.audit["input_mapping"], rec, tol,
-                      session.report_dir / "runs" / item.id / "localize", variant, log)
-        native_localization(rec, runtime, log)
+                      session.report_dir / "runs" / item.id / "localize", variant, log, runtime=runtime)
     rec.write(session.report_dir / "records")
     return rec.bisect
