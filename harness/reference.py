@@ -307,18 +307,21 @@ def step_of_module(path: str) -> str | None:
     return next((step for prefix, step in MODULE_STEPS if path == prefix or path.startswith(prefix + ".")), None)
 
 
-def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, variant: tuple[str, ...] = ()) -> dict:
+def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, variant: tuple[str, ...] = (),
+                    zero_noise: bool = False) -> dict:
     """The values of module references (`decoder.generator.conv_post:out`, `...noise_convs.0:in`)
     in float32 and float64, put in `traces.captures`: forward hooks on those paths during one
     teacher-forced dynamic run per dtype of each step that holds them (the traces' own inputs, so
     the float32 values are the chain's), all of a port's boundaries at once; cached beside the
     traces. Hooks clone: Generator's `xs += ...` mutates a resblock's output after its hook.
-    `variant`: extra semantics-changing patches; give it a copy of the traces with empty captures."""
+    `variant`: extra semantics-changing patches; `zero_noise`: every noise input zero (what an
+    artifact that draws no noise computes); give either a copy of the traces with empty captures."""
     refs = tuple(sorted({r for r in refs} - {k[0] for k in traces.captures}))
     if not refs:
         return traces.captures
     key = content_key("captures", TRACE_VERSION, model.digest, case.digest, numerics(), refs,
-                      *((variant, graph_code_digest(variant)) if variant else ()))  # `variant`: extra patches
+                      *((variant, graph_code_digest(variant)) if variant else ()),  # `variant`: extra patches
+                      *(("zero_noise",) if zero_noise else ()))
 
     def build(tmp):
         by_step: dict[str, list[str]] = {}
@@ -347,7 +350,10 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
                                  if which == "in" else sub.register_forward_hook(lambda m, a, o, keep=keep: keep(o)))
                 with registered(hooks), torch.no_grad(), \
                         progress.phase("references: module captures", subject=f"{case.id} {step} {dtype}"):
-                    get_step(step).module(km)(*traces.inputs(step, "dynamic", dtype).values())
+                    inputs = traces.inputs(step, "dynamic", dtype)
+                    if zero_noise:
+                        inputs = {k: torch.zeros_like(v) if k in NOISE_INPUTS else v for k, v in inputs.items()}
+                    get_step(step).module(km)(*inputs.values())
         silent = [r for r in refs if (r, "float32") not in out]
         if silent:
             raise UsageError(f"module reference(s) {silent}: the module never ran forward on a tensor in "

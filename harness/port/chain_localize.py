@@ -29,6 +29,7 @@ import onnx
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
 from ..record import OnnxStages, PortChain, PteEtdump, Unlocalized
+from .noise import noise_inside
 from .onnx_stages import localize, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
@@ -126,8 +127,9 @@ def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, 
     feed = {p.name: value.numpy() for p, value in boundary_feed(stage, path, traces)}
     where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "roots": roots,
              "repro": f"{item.id}/{stage.name}"}
+    quiet = stage.noise == "none" and noise_inside(stage)  # its audio has no noise: the zero-noise captures
     return localize_modules(session, path, item.case, reached(ran, map(place, model.graph.node)), feed, rec,
-                            tol, run_dir, where, log=log, runtime=stage.runtime)
+                            tol, run_dir, where, log=log, runtime=stage.runtime, zero_noise=quiet)
 
 
 def localize_pte_stage(session, item, stage: StageSpec, root: Path, rec, tol, run_dir: Path, log) -> None:

@@ -92,13 +92,37 @@ def run_with_durations(run, found: FoundDurations | None, values: dict, traces):
     if out is None:
         return None, {}
     own = out.pop("pred_dur").reshape(-1)
-    ref = torch.tensor(traces.pred_dur, dtype=torch.long).reshape(-1)
-    n = min(len(own), len(ref))
-    diff = (own[:n] - ref[:n]).abs()
-    info = {"tokens": len(ref), "tokens_differ": int((diff > 0).sum()) + abs(len(own) - len(ref)),
-            "max_frames_diff": int(diff.max()) if n else 0, "frames": int(own.sum()),
-            "frames_reference": int(ref.sum()), "tensor": found.tensor, "forced": False}
+    ref = reference_durations(traces)
+    info = {**compare_durations(own, ref), "tensor": found.tensor, "forced": False}
     if not info["tokens_differ"]:
         return out, info
     forced = run(found.forced, {**values, "pred_dur": ref})
     return forced, {**info, "forced": True}
+
+
+def reference_durations(traces) -> torch.Tensor:
+    return torch.tensor(traces.pred_dur, dtype=torch.long).reshape(-1)
+
+
+def compare_durations(own: torch.Tensor, ref: torch.Tensor) -> dict:
+    """How a port's rounded durations differ from the reference's (what the record and the reason say)."""
+    own = own.reshape(-1).long()
+    n = min(len(own), len(ref))
+    diff = (own[:n] - ref[:n]).abs()
+    return {"tokens": len(ref), "tokens_differ": int((diff > 0).sum()) + abs(len(own) - len(ref)),
+            "max_frames_diff": int(diff.max()) if n else 0, "frames": int(own.sum()),
+            "frames_reference": int(ref.sum())}
+
+
+def forced_output(chained: dict, traces) -> dict:
+    """A stage whose output is the durations (`pred_dur`), when they differ from the reference's:
+    the later stages take the reference's from `chained` (as after durations found inside a stage),
+    so they run and are judged on the reference's frames; what differed is returned (else {})."""
+    if "pred_dur" not in chained:
+        return {}
+    ref = reference_durations(traces)
+    info = compare_durations(chained["pred_dur"], ref)
+    if not info["tokens_differ"]:
+        return {}
+    chained["pred_dur"] = ref
+    return {**info, "tensor": "pred_dur", "forced": True, "output": True}

@@ -75,6 +75,23 @@ def depends_on_inputs(model) -> set[str]:
     return seen
 
 
+# Ops that move or pick values without computing any: what they make from the reference's inputs is
+# exactly the reference's value.
+DATA_MOVEMENT = {"Slice", "Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Identity", "Shape",
+                 "Split", "Expand", "Flatten", "Constant", "ConstantOfShape"}
+
+
+def moved_inputs(model) -> set[str]:
+    """The tensors made from the graph's inputs and constants by data movement alone (the style
+    sliced into its two halves, a transposed F0): on the reference's inputs, the reference's own
+    values, whichever module an export placed the ops in."""
+    made = {i.name for i in model.graph.input} | {i.name for i in model.graph.initializer}
+    for n in model.graph.node:  # ONNX nodes are topologically sorted
+        if n.op_type in DATA_MOVEMENT and all(not x or x in made for x in n.input):
+            made.update(n.output)
+    return made
+
+
 def force_input(src: Path, dest: Path, tensor: str, dtype) -> Path:
     """A copy of the ONNX where `tensor` is a graph input: its producing node is removed."""
     model = onnx.load(str(src))

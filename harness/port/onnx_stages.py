@@ -261,9 +261,9 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
         if x in ref["feed"]:
             feed[x] = ref["feed"][x]
             continue
-        if x not in ref["dynamic"] and own is not None:  # computed from weights alone (quantization scales)
-            feed[x] = np.asarray(own)
-            continue
+        if own is not None and (x not in ref["dynamic"] or x in ref.get("from_inputs", ())):
+            feed[x] = np.asarray(own)  # from weights alone (quantization scales), or the file's own glue
+            continue  # over the reference's inputs (the style's halves): the reference's value either way
         own_a = None if own is None else np.asarray(own)
         floating = own_a is not None and np.issubdtype(own_a.dtype, np.floating)
         if floating:

@@ -36,6 +36,7 @@ from ..reference import NEUTRAL_PATCHES, REFERENCE_PATCHES, module_captures
 from ..steps import get_step
 from ..verdict import comparator
 from . import tensors
+from .onnx_graph import moved_inputs
 from .onnx_stages import (depends_on_inputs, float_boundaries, judge_row, localized_on, marked_copy, module_groups,
                           ran_on, run_localize_job, run_onnx, stage_lines, stage_row, stage_runner, write_repro)
 
@@ -164,8 +165,11 @@ _CALL_SUFFIX = re.compile(r"(@\d+|_\d+)$")  # a later call of the same module (`
 def resolve(segments, base: str, paths: set[str]) -> str | None:
     """The module path the segments name, starting at `base`: each segment is looked up under the
     path so far and under each of its ancestors (TorchScript writes `cnn.0/cnn.0.0`), and must
-    land inside it; None when one does not resolve."""
-    cur = base
+    land inside it; None when the first does not resolve. Past the first, a segment that lands
+    nowhere inside it leaves the node in that module: a shared instance named by its first
+    registration (kokoro's one LeakyReLU is `cnn.0.2` in every `cnn.N`) or an export's own
+    wrapper scope (kokoro-onnx's `generator/istft/stft`) is called from within it."""
+    cur, entered = base, False
     for seg in segments:
         found = None
         for s in dict.fromkeys((seg, _CALL_SUFFIX.sub("", seg))):
@@ -177,9 +181,9 @@ def resolve(segments, base: str, paths: set[str]) -> str | None:
                     break
             if found:
                 break
-        if found is None:
+        if found is None and not entered:
             return None
-        cur = found
+        cur, entered = found or cur, True
     return cur or None
 
 
@@ -267,9 +271,12 @@ def _localize_step(artifact: str, reference_path: str, out_dir: str, run=run_onn
     marked = marked_copy(Path(artifact), out / "marked.onnx", candidates)
     values = run(marked, ref["feed"])
     marked.unlink()
-    local_ref = {**ref, "dynamic": depends_on_inputs(model)}
+    local_ref = {**ref, "dynamic": depends_on_inputs(model), "from_inputs": moved_inputs(model)}
     rows = {p: stage_row(p, what, groups.get(p), values, local_ref, Path(artifact), out, run)
-            for p, what in ref["stages"]}
+            for p, what in ref["stages"] if p != TAIL}
+    if rows.get(TAIL_FROM, {}).get("tensor") and rows.get(TAIL_TO, {}).get("tensor"):  # the cut between them
+        tail = {"nodes": [], "inputs": [rows[TAIL_FROM]["tensor"]], "outputs": [rows[TAIL_TO]["tensor"]]}
+        rows[TAIL] = stage_row(TAIL, dict(ref["stages"])[TAIL], tail, values, local_ref, Path(artifact), out, run)
     torch.save(rows, out / "stages.pt")
     return {"names": how, "mapped": [p for p, r in rows.items() if r.get("mapped")]}
 
@@ -290,22 +297,27 @@ def localize_step(session, artifact: Path, case_id: str, step: str, input_mappin
 
 
 def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dict, rec, tol, run_dir: Path,
-                     where: dict, variant: tuple[str, ...] = (), log=print, runtime: str = NATIVE) -> dict:
+                     where: dict, variant: tuple[str, ...] = (), log=print, runtime: str = NATIVE,
+                     zero_noise: bool = False) -> dict:
     """The Kokoro modules of `ran` (a hooked run: step_modules, model_modules) with parameters,
     each judged inside the ONNX fed `feed` (its graph inputs): chained and locally, against the
     module captures; fills `rec.bisect` (kind `onnx-stages`; `where`: the key naming what was cut,
     `step` or `port_stage`, its `what` for the errors, the `roots` its node names resolve under and
-    the `repro` bundle's directory name); the ONNX runs on `runtime` (onnx_stages.stage_runner)."""
+    the `repro` bundle's directory name); the ONNX runs on `runtime` (onnx_stages.stage_runner).
+    `zero_noise`: the artifact draws no noise and takes none, so the modules are judged against
+    captures with every noise input zero, as its own output is."""
 
     traces = session.traces(case_id)
     stages, skipped = choose_stages(ran)
+    ran, stages = with_tail(ran, stages)
     if not stages:
         return _no_stages(rec, f"{where['what']} has no submodule with parameters below its module: judged whole", log)
     try:
         caps = module_captures(session.model, session.cases[case_id],
-                               dataclasses.replace(traces, captures={}) if variant else traces,
-                               [f"{p}:out" for p in stages] + [f"{p}:in" for p in stages if p in ran["tensor_in"]],
-                               variant)
+                               dataclasses.replace(traces, captures={}) if variant or zero_noise else traces,
+                               [f"{p}:out" for p in stages if p != TAIL]
+                               + [f"{p}:in" for p in stages if p in ran["tensor_in"] and p != TAIL], variant, zero_noise)
+        caps = tail_captures(caps, stages)
     except ValueError as e:  # a module the harness's steps do not run as a forward
         return _no_stages(rec, f"no module references for {where['what']}: {e}", log)
     ref = {"feed": feed, "fp32": {p: caps[(f"{p}:out", "float32")] for p in stages},
@@ -324,7 +336,8 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     names = result.value["names"] + (f"; references with {'+'.join(variant)}" if variant else "")
     key = "step" if "step" in where else "port_stage"
     rec.bisect = OnnxStages(artifact=str(artifact), names=names, stages=table,
-                            unmapped=[e["stage"] for e in table if not e["mapped"]], **{key: where[key]})
+                            unmapped=[e["stage"] for e in table if not e["mapped"]], **{key: where[key]},
+                            **({"noise": "none drawn"} if zero_noise else {}))
     localized_on(rec, runtime, result.value.get("ran_on"), log)
     if first is not None:
         rec.bisect.first_stage = first
@@ -333,6 +346,32 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     for line in stage_lines(rec.bisect):
         log(line)
     return rec.bisect
+
+
+# The generator's tail, from conv_post's output to the audio (exp and sin of its halves, the inverse
+# STFT: a method, no forward to hook), as onnx_stages names it: a stage wherever both ends are.
+TAIL, TAIL_FROM, TAIL_TO = "decoder.generator.istft", "decoder.generator.conv_post", "decoder.generator"
+
+
+def with_tail(ran: dict, stages: list[str]) -> tuple[dict, list[str]]:
+    """The stages with the generator's tail after conv_post, when conv_post and the generator are stages."""
+    if TAIL_FROM not in stages or TAIL_TO not in stages:
+        return ran, stages
+    after = lambda seq: [x for p in seq for x in ((p, TAIL) if p == TAIL_FROM else (p,))]  # noqa: E731
+    return ({**ran, "order": after(ran["order"]), "types": {**ran["types"], TAIL: "tail: magnitude/phase -> inverse "
+             "STFT -> audio"}, "tensor_in": ran["tensor_in"] | {TAIL}}, after(stages))
+
+
+def tail_captures(caps: dict, stages: list[str]) -> dict:
+    """The tail's references: conv_post's output in, the generator's output out."""
+    if TAIL not in stages:
+        return caps
+    caps = dict(caps)
+    for dtype in ("float32", "float64"):
+        for ref, path, which in ((f"{TAIL}:out", TAIL_TO, "out"), (f"{TAIL}:in", TAIL_FROM, "out")):
+            if (f"{path}:{which}", dtype) in caps:
+                caps[(ref, dtype)] = caps[(f"{path}:{which}", dtype)]
+    return caps
 
 
 def _no_stages(rec, error: str, log) -> dict:

@@ -58,6 +58,14 @@ def test_torchscript_names_resolve_under_the_detected_prefix():
     got, _ = _placed([("/text_encoder/cnn.0/cnn.0.0/Conv", None), ("/text_encoder/lstm_1/LSTM", None)],
                      ["text_encoder"])
     assert got == ["text_encoder.cnn.0.0", "text_encoder.lstm"]
+    # a shared instance named by its first registration (kokoro's one LeakyReLU is `cnn.0.2` in every
+    # block) stays in the block that calls it; an export's own wrapper scope is passed through
+    got, _ = _placed([("/text_encoder/cnn.1/cnn.0.2/LeakyRelu", None), ("/text_encoder/cnn.1/cnn.1.0/Conv", None)],
+                     ["text_encoder"])
+    assert got == ["text_encoder.cnn.1", "text_encoder.cnn.1.0"]
+    got, _ = _placed([("/decoder/generator/istft/stft/Conv", None), ("/decoder/generator/conv_post/Conv", None)],
+                     ["decoder"])
+    assert got == ["decoder.generator.stft", "decoder.generator.conv_post"]
 
 
 def test_dynamo_metadata_resolves_and_unscoped_nodes_go_to_the_common_module():

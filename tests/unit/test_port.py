@@ -680,6 +680,38 @@ def test_durations_found_inside_a_stage_are_forced_so_the_later_stages_are_judge
     assert clean.verdict is Verdict.PASS and not clean.stages[0]["durations"]["local"]["forced"], clean.reason
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [True, False], ids=["rounding", "defect"])
+def test_durations_a_stage_outputs_are_forced_for_the_later_stages_and_a_rounding_tie_is_no_defect(
+        port_session, tmp_path, monkeypatch, tie):
+    """dur (outputs the durations, one token a frame longer) -> b (aln -> aln): the later stage takes
+    the reference's durations (no shape mismatch, judged on the reference's frames) and the reason
+    says so; the one-frame difference is no defect where the reference's unrounded duration sits at a
+    half (rounding: here every token, by a wide ROUNDING), a defect of kind `durations` elsewhere."""
+    from harness.port import chain
+    from harness.verdict import Verdict
+
+    monkeypatch.setattr(chain, "ROUNDING", 0.5 if tie else 0.0)
+    traces = port_session.traces("tiny")
+    durations = np.array(traces.pred_dur, np.float32)
+    durations[1] += 1
+    replay(tmp_path / "dur.onnx", {"d": (F, [1, "T", 640])}, "dur", durations)
+    transform(tmp_path / "b.onnx", "x", "y", [1, "T", "F"], "none")
+    (tmp_path / "port.yaml").write_text(
+        "name: forced-out\nstages:\n"
+        "  - {name: dur, artifact: dur.onnx, inputs: {d: d}, outputs: {dur: {tensor: pred_dur, dtype: float32}}}\n"
+        "  - {name: b, artifact: b.onnx, inputs: {x: aln}, outputs: {y: aln}}\n")
+    _, rec = _run(port_session, str(tmp_path / "port.yaml"))
+    rows = {r["stage"]: r for r in rec.stages}
+    assert "dur" in rows, (rec.verdict, rec.reason)
+    assert rows["dur"]["durations"]["chained"]["forced"] and rows["dur"]["durations"]["chained"]["tokens_differ"] == 1
+    assert rows["b"]["local_ok"] and rows["b"]["chained_ok"], rec.stages
+    assert f"1 of {len(durations)} durations differ in the output of 'dur'" in rec.reason, rec.reason
+    judged = rows["dur"]["outputs"]["pred_dur"]["local"]
+    assert judged["kind"] == "durations" and judged["ok"] is tie, judged
+    assert (rec.verdict is Verdict.PASS) is tie, rec.reason
+
+
 # The packaged int8 model cut at its own tensor names, as a port splits it: 2 stages (a front to
 # the aligned text features, F0 and N; the vocoder) and 3 (text to durations, d and t_en; prosody
 # to the aligned features; the vocoder).
