@@ -222,3 +222,43 @@ def test_a_nan_in_one_adain_is_named_at_that_adain(tiny, monkeypatch):
     assert len(rec.stages) == 7 and failing == [target, block], failing  # the other five AdaINs are within
     assert rec.reason.startswith(f"first module whose local error leaves its floor: {target!r} (NaN"), rec.reason
     assert rec.verdict.value == "fail"
+
+
+@needs_mlx
+@pytest.mark.slow
+def test_a_one_frame_padding_shift_in_a_transposed_convolution_is_named_there_as_a_shift(tiny, monkeypatch):
+    """The decoder's upsampling transposed convolution computed with torch's padding (MLX cuts one
+    frame from each end) and the missing frame put back as a zero on the left: its output is the
+    reference's one frame late; the block around it fails too, its other modules stay within."""
+    import mlx.core as mx
+    from mlx_audio.tts.models.kokoro import istftnet
+
+    from harness.rewrite.mlx_call import counterpart
+
+    block = "decoder.decode.3"
+    target = f"{block}.pool"
+    adapter = modules_only()
+    real_load, real_call, victim = adapter.load, istftnet.ConvWeighted.__call__, []
+
+    def load(kmodel):
+        model = real_load(kmodel)
+        victim.append(counterpart(model, target))
+        return model
+
+    def padded(self, x, conv):
+        if not (victim and self is victim[0]):
+            return real_call(self, x, conv)
+        self.padding = 1  # 2T - 1 frames; the zero frame, then the one frame AdainResBlk1d cuts
+        try:
+            return mx.pad(real_call(self, x, conv), [(0, 0), (2, 0), (0, 0)])
+        finally:
+            self.padding = 0
+
+    monkeypatch.setattr(adapter, "load", load)
+    monkeypatch.setattr(istftnet.ConvWeighted, "__call__", padded)
+    rec = run_rewrite_item(tiny, item_for(tiny, lambda p: p == block or p.startswith(block + "."), adapter))
+    failing = [r["stage"] for r in rec.stages if not r["local_ok"]]
+    assert failing == [target, block] and len(rec.stages) == 4, failing  # its two AdaINs are within
+    assert rec.reason.startswith(f"first module whose local error leaves its floor: {target!r} (shift by +1 "), rec.reason
+    chained = {r["stage"]: r["outputs"]["out"]["chained"] for r in rec.stages}
+    assert chained[target]["kind"].startswith("shift by +1 "), chained[target]  # mlx-audio's own chain: the same
