@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import options
+from .plumbing import stopping
 from .plumbing.errors import UsageError
 from .quiet import quiet
 
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
+    previous = stopping.install()  # SIGTERM cleans up as Ctrl-C does (harness.plumbing.stopping)
     try:
         from . import commands  # after parsing (--help stays fast): the harness loads for a command that runs
 
@@ -161,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, FileNotFoundError) as e:  # what the user gave; anything else is a bug: its traceback
         print(f"kokoro-parity: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C or a stop signal: what the run held is cleaned up by now
+        print(f"kokoro-parity: stopped ({stopping.cause(e)})", file=sys.stderr)
+        return stopping.exit_status(e)
+    finally:
+        stopping.restore(previous)
 
 
 if __name__ == "__main__":

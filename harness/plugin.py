@@ -18,6 +18,7 @@ from . import options, pipeline, progress
 from .backends import backend_names, get_backend, set_disabled_workarounds
 from .cases import CaseError
 from .golden import GOLDEN_DIR, GoldenError, GoldenStore
+from .plumbing import stopping
 from .plumbing.errors import UsageError
 from .plumbing.files import atomic_write_json
 from .plumbing.targets import TargetError, get_target
@@ -82,6 +83,7 @@ def _same_file(a: Path | None, b: Path | None) -> bool:
 
 
 SESSION_KEY = pytest.StashKey()  # the runner.Session of this pytest process
+SIGNALS_KEY = pytest.StashKey()  # the stop signals' handlers before this plugin's (harness.plumbing.stopping)
 RECORDS_KEY = pytest.StashKey()  # the records this process made
 RAN_KEY = pytest.StashKey()  # ids of the parity items that ran (controller and workers)
 VERDICT_LINE = "kokoro_parity_verdict"  # the user property that carries an item's verdict line to the reporter
@@ -89,8 +91,10 @@ VERDICT_LINE = "kokoro_parity_verdict"  # the user property that carries an item
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    """Under `pytest -n N`, distribute by group (items that share a compile stay on one worker)."""
+    """Under `pytest -n N`, distribute by group (items that share a compile stay on one worker).
+    SIGTERM stops this process as Ctrl-C does: an item's temporary files removed, its record kept."""
     quiet_logs()
+    config.stash[SIGNALS_KEY] = stopping.install()
     config.pluginmanager.register(_RanItems(config), "kokoro-parity-ran-items")
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(_VerdictLines(config), "kokoro-parity-verdict-lines")
@@ -107,6 +111,10 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") in ("no", "load"):
         config.option.dist = "loadgroup"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stopping.restore(config.stash.get(SIGNALS_KEY, {}))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
