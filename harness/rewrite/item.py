@@ -26,6 +26,7 @@ import torch
 
 from ..metrics.tensor import compare_to_floor, error_metrics
 from ..patches import NOISE_INPUTS
+from ..plumbing import stopping
 from ..port.differences import difference_kind, nonfinite
 from ..port.tensors import reference as reference_tensor
 from ..record import NoiseBand, Record, Rewrite, StageRow, item_id, versions
@@ -95,9 +96,15 @@ def run_rewrite_item(session, item: RewriteItem) -> Record:
                             "load_notes": list(getattr(model, "load_notes", []))}
     tol = session.profile.for_("rewrite", item.backend, item.mode)
     traces = session.traces(item.case)
-    defects = judge_modules(session, item, model, traces, tol, rec)
-    failures = [f"{path}: {m['why']}; {m['kind']}" for path, m in defects]
-    failures += judge_pipeline(session, item, model, traces, tol, rec)
+    try:
+        defects = judge_modules(session, item, model, traces, tol, rec)
+        failures = [f"{path}: {m['why']}; {m['kind']}" for path, m in defects]
+        failures += judge_pipeline(session, item, model, traces, tol, rec)
+    except BaseException as e:  # a stop signal, Ctrl-C or a defect: the rows so far are kept, and it goes on
+        rec.verdict = Verdict.RUN_ERROR
+        rec.reason = f"stopped after {len(rec.stages)} of {len(item.mapped)} modules: {stopping.cause(e)}"
+        session.finish(rec)
+        raise
     if failures:
         first = first_defect(item, defects)
         rec.verdict, rec.reason = Verdict.FAIL, first + "; ".join(failures)
@@ -131,6 +138,7 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
     inside = {m.path: m.inside for m in item.mapped if m.inside}
     km32, km64 = reference_models(session.model.kmodel)
     defects = []
+    keep_so_far(session, rec, len(conventions))  # the rewrite's own chain runs first, and can be long
     with tempfile.TemporaryDirectory(prefix="kokoro-parity-chain-") as where:
         modules = {p: c for p, c in conventions.items() if p not in inside}  # the chain saves modules' outputs
         chain, why = rewrite_chain(session, item, model, traces, modules, Path(where))
@@ -149,9 +157,18 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
                 rec.bisect = Rewrite(module=io.path, **first_repro(session, item, model, conventions[io.path], io, m, tol))
             if not m["ok"]:
                 defects.append((io.path, m))
+            keep_so_far(session, rec, len(conventions))
 
         rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
     return defects
+
+
+def keep_so_far(session, rec: Record, modules: int) -> None:
+    """The record as it stands, written after each module (atomically): a run killed before its
+    end (SIGKILL, out of memory) leaves the rows it judged; the finished run's record replaces it."""
+    rec.verdict = Verdict.RUN_ERROR
+    rec.reason = f"incomplete: {len(rec.stages)} of {modules} modules judged so far (still running, or killed)"
+    rec.write(session.report_dir / "records")
 
 
 def rewrite_chain(session, item: RewriteItem, model, traces, conventions: dict, where: Path) -> tuple[dict, str]:

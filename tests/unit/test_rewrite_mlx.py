@@ -7,14 +7,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+from harness.plumbing import stopping
+from harness.record import Record
 from harness.rewrite import RewriteError, RewriteItem, load_adapter, resolve_modules
 from harness.repro import run_repro
+from harness.rewrite.adapter import Adapter, Mapped
 from harness.rewrite.item import run_rewrite_item
 
 from .conftest import tiny_session_at
@@ -120,6 +128,59 @@ def test_the_first_failing_module_is_written_as_a_bundle_whose_repro_exits_2_wit
     assert "`decoder.F0_conv` leaves its floor" in (bundle / "REPORT.md").read_text()
     assert run_repro(bundle, timeout=120)["exit_code"] == 2
     assert f"repro of decoder.F0_conv: {bundle}" in item_table(rec)
+
+
+class TorchItself(Adapter):
+    """torch as the rewrite (every module within its floor), with a chain of its own that saves each
+    mapped module's output (in the chain's temporary directory); `stop_at`: the module call that
+    sends this process SIGTERM."""
+
+    name = "torch"
+    modules = {p: "call" for p in ("decoder.F0_conv", "decoder.N_conv", "decoder.asr_res", "decoder.encode")}
+
+    def __init__(self, stop_at: int = 0) -> None:
+        self.stop_at, self.calls, self.chain_files = stop_at, 0, []
+
+    def load(self, kmodel):
+        return kmodel
+
+    def chained(self, model, phonemes, ref_s, speed, noise, conventions, save) -> bool:
+        for path in conventions:
+            save(path, np.zeros(3, np.float32))
+        return True
+
+    def run(self, model, path, convention, args, kwargs):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            self.chain_files = [p.name for p in Path(tempfile.gettempdir()).glob("kokoro-parity-chain-*/*")]
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises in this thread before the sleep ends
+        with torch.no_grad():
+            return model.get_submodule(path)(*args, **kwargs)
+
+
+def test_a_run_stopped_by_sigterm_keeps_the_rows_judged_so_far_and_no_temporary_directory(tiny, tmp_path, monkeypatch):
+    """SIGTERM (as the CLI and the plugin turn it into `Stopped`) in the third module: the record on
+    disk holds the two rows before it and says where the run stopped; the chain's temporary
+    directory is gone. Run to its end, the same item's record is the finished one."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    adapter = TorchItself(stop_at=3)
+    item = RewriteItem("tiny", "torch.py", adapter, tuple(Mapped(p, "call") for p in adapter.modules))
+    saved = tiny.report_dir / "records" / f"{item.id}.json"
+    previous = signal.signal(signal.SIGTERM, stopping._raise)
+    try:
+        with pytest.raises(stopping.Stopped):
+            run_rewrite_item(tiny, item)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(adapter.chain_files) == 4  # the chain's outputs were there while it ran
+    assert not list(tmp_path.glob("kokoro-parity-chain-*"))
+    rec = Record.from_dict(json.loads(saved.read_text()), str(saved))
+    assert rec.verdict.value == "run_error" and rec.reason == "stopped after 2 of 4 modules: SIGTERM"
+    assert len(rec.stages) == 2 and all(r["local_ok"] for r in rec.stages)
+    done = run_rewrite_item(tiny, item)
+    assert done.verdict.value == "pass" and done.reason == "4 modules within their floor" and len(done.stages) == 4
+    assert json.loads(saved.read_text())["reason"] == done.reason and not list(tmp_path.glob("kokoro-parity-*"))
 
 
 @needs_mlx
