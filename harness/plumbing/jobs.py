@@ -104,7 +104,11 @@ def run_job(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float
         proc = subprocess.Popen(python_child("harness.plumbing.jobs", str(workdir)), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        status, polled_peak = _wait(proc, timeout)
+        try:
+            status, polled_peak = _wait(proc, timeout)
+        except BaseException:  # the harness is stopping (Ctrl-C, SIGTERM): the child, in its own session, would run on
+            _kill(proc)
+            raise
     seconds = time.monotonic() - start
     tail = _tail(log_path)
     peak = polled_peak
@@ -142,10 +146,21 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int | str, float]:
             proc.returncode = os.waitstatus_to_exitcode(code)
             return proc.returncode, peak
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            os.wait4(proc.pid, 0)
+            _kill(proc)
             return "timeout", peak
         time.sleep(0.05)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill a job's child and what it started (its session), and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.wait4(proc.pid, 0)
+    except ChildProcessError:  # reaped already
+        pass
 
 
 def _vm_hwm_mb(pid: int | str = "self") -> float:

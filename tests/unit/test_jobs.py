@@ -110,6 +110,37 @@ def test_hang_is_a_timeout_and_is_killed(tmp_path):
     assert r.status == "timeout" and time.monotonic() - start < 60
 
 
+def test_a_stopped_harness_kills_the_running_job_and_what_it_started(tmp_path, monkeypatch):
+    """The child runs in its own session (a terminal's Ctrl-C does not reach it): when the harness
+    is stopped while waiting, the child and its own children are killed, not left running."""
+    pidfile = tmp_path / "pid"
+    real_sleep = time.sleep
+
+    def sleep(seconds):
+        if pidfile.exists() and pidfile.read_text().strip():
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr("harness.plumbing.jobs.time.sleep", sleep)
+    with pytest.raises(KeyboardInterrupt):
+        run_job("subprocess:call", {"args": ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 600"]}, tmp_path / "job",
+                timeout=120)
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        real_sleep(0.05)
+    assert not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for init to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_missing_function_is_an_error(tmp_path):
     r = run_job("tests.unit.test_jobs:no_such_job", {}, tmp_path, timeout=120)
     assert r.status == "error" and "no_such_job" in r.error
