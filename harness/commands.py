@@ -43,8 +43,12 @@ def _session(config: options.RunConfig):
     targets file is an error before any work)."""
 
     session = Session.from_config(config)
+    _OPENED.append(session)
     session.target_for(config.target)
     return session
+
+
+_OPENED: list[Session] = []  # the Sessions this command opened: `dispatch` closes them however it ends
 
 
 def _backends(config: options.RunConfig) -> list[str]:
@@ -353,4 +357,8 @@ def dispatch(args) -> int:
     the backends read it here and in their job children."""
     if getattr(args, "no_workaround", None):
         set_disabled_workarounds(args.no_workaround)
-    return globals()[f"cmd_{args.command.replace('-', '_')}"](args)
+    try:
+        return globals()[f"cmd_{args.command.replace('-', '_')}"](args)
+    finally:  # a remote target's SSH connection and its socket directory, the warm worker
+        while _OPENED:
+            _OPENED.pop().close()

@@ -189,3 +189,16 @@ def test_bad_input_is_one_line_and_a_harness_defect_keeps_its_traceback(monkeypa
         monkeypatch.setattr(commands, "dispatch", boom)
         with pytest.raises(type(internal)):
             main(["weights"])
+
+
+def test_a_stopped_command_closes_its_session_and_exits_as_ctrl_c(tmp_path, monkeypatch, capsys):
+    """`bisect` (as `nightly`) opens a Session it did not close itself: stopped half way, the command
+    still closes it (a remote target's SSH connection and socket directory, the warm worker)."""
+    from harness import runner
+
+    closed = []
+    monkeypatch.setattr(runner.Session, "close", lambda self: closed.append(self))
+    monkeypatch.setattr(runner.Item, "run", lambda self, session: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["bisect", "--case", "en_short", "--step", "decoder", "--backend", "eager",
+                 f"--report-dir={tmp_path}"]) == 130
+    assert len(closed) == 1 and "kokoro-parity: stopped (KeyboardInterrupt)" in capsys.readouterr().err
