@@ -29,16 +29,11 @@ def _raise(signum, frame) -> None:
 
 
 def install() -> dict:
-    """Turn SIGTERM and SIGHUP into `Stopped` where their disposition is the default (an ignored
-    signal, `nohup`, or a handler of the embedding program stays); the previous handlers, for
-    `restore`. Nothing outside the main thread (signal handlers live there)."""
+    """Turn SIGTERM and SIGHUP into `Stopped` where their disposition is the default (`nohup`, or an
+    embedding program's handler, stays); the previous handlers, for `restore`. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    previous = {}
-    for signum in SIGNALS:
-        if signal.getsignal(signum) is signal.SIG_DFL:
-            previous[signum] = signal.signal(signum, _raise)
-    return previous
+    return {s: signal.signal(s, _raise) for s in SIGNALS if signal.getsignal(s) is signal.SIG_DFL}
 
 
 def restore(previous: dict) -> None:
