@@ -144,6 +144,9 @@ def test_nightly_shows_each_items_phases_on_stderr(tmp_path, monkeypatch, capsys
         def target_for(self, name):
             pass
 
+        def close(self):
+            pass
+
         def items(self, backends, steps, modes):
             return [SimpleNamespace(id="tiny-decoder-eager-dynamic", run=lambda session: session.run_item())]
 
