@@ -29,6 +29,7 @@ import onnx
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
 from ..record import OnnxStages, PortChain, PteEtdump, Unlocalized
+from .chain import stage_durations
 from .noise import noise_inside
 from .onnx_stages import localize, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
@@ -86,7 +87,7 @@ def localize_stage(session, item, port: Port, stage: StageSpec, rec, log, module
     elif kind_of(path) == "executorch":
         localize_pte_stage(session, item, stage, port.root, rec, tol, run_dir / stage.name, log)
     else:
-        localize_port_stage(session, item, stage, path, modules(), rec, tol, run_dir / stage.name, log)
+        localize_port_stage(session, item, port, stage, path, modules(), rec, tol, run_dir / stage.name, log)
 
 
 def whole_model(stage: StageSpec) -> bool:
@@ -115,12 +116,17 @@ def judged_whole(port: Port, stage: StageSpec) -> str | None:
     return None
 
 
-def localize_port_stage(session, item, stage: StageSpec, path: Path, ran: dict, rec, tol, run_dir: Path,
-                        log) -> dict:
+def localize_port_stage(session, item, port: Port, stage: StageSpec, path: Path, ran: dict, rec, tol,
+                        run_dir: Path, log) -> dict:
     """A chain's ONNX stage fed the reference's tensors at its boundary: the Kokoro modules of
     `ran` (model_modules) its node names reach, each judged chained and locally
-    (onnx_steps.localize_modules)."""
+    (onnx_steps.localize_modules). A stage with its durations inside is looked into on its copy
+    fed the reference's durations (harness.port.durations), so the modules after them are on the
+    reference's frames, as the chain judged the stage."""
     traces = session.traces(item.case)
+    found = stage_durations(port, stage, run_dir / "durations")
+    if found is not None:
+        stage, path = found.forced, found.forced.file_for(port.root)
     roots = step_roots(ran["order"])
     model = onnx.load(str(path), load_external_data=False)
     place, _ = step_node_paths(model, ran["paths"], roots)

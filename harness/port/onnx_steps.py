@@ -165,26 +165,45 @@ _CALL_SUFFIX = re.compile(r"(@\d+|_\d+)$")  # a later call of the same module (`
 def resolve(segments, base: str, paths: set[str]) -> str | None:
     """The module path the segments name, starting at `base`: each segment is looked up under the
     path so far and under each of its ancestors (TorchScript writes `cnn.0/cnn.0.0`), and must
-    land inside it; None when the first does not resolve. Past the first, a segment that lands
-    nowhere inside it leaves the node in that module: a shared instance named by its first
-    registration (kokoro's one LeakyReLU is `cnn.0.2` in every `cnn.N`) or an export's own
-    wrapper scope (kokoro-onnx's `generator/istft/stft`) is called from within it."""
-    cur, entered = base, False
-    for seg in segments:
-        found = None
-        for s in dict.fromkeys((seg, _CALL_SUFFIX.sub("", seg))):
-            parts = cur.split(".") if cur else []
-            for k in range(len(parts), -1, -1):
-                cand = ".".join([*parts[:k], s])
-                if cand in paths and (not cur or cand == cur or cand.startswith(cur + ".")):
-                    found = cand
-                    break
-            if found:
-                break
-        if found is None and not entered:
+    land inside it; None when one does not resolve. Two exceptions past the first segment: a shared
+    instance named by its first registration is that module's own alias (kokoro's one LeakyReLU
+    is `cnn.0.2` in every block, so `cnn.1/cnn.0.2` is `cnn.1.2`), and a scope that names no module
+    at all, last or before one that resolves, is the export's own (kokoro-onnx's `istft/stft`, an
+    optimizer's `adain2.2/Slice_1/GatherSliceToSplitFusion/`)."""
+    cur = base
+    for i, seg in enumerate(segments):
+        found = _lookup(seg, cur, paths)
+        if found is None and i:  # past the first segment: the export's own prefix is found elsewhere
+            found = _alias(seg, cur, paths)
+            if found is None and not _names_a_module(seg, paths) \
+                    and (i + 1 == len(segments) or _lookup(segments[i + 1], cur, paths)):
+                continue
+        if found is None:
             return None
-        cur, entered = found or cur, True
+        cur = found
     return cur or None
+
+
+def _lookup(seg: str, cur: str, paths: set[str], inside: bool = True) -> str | None:
+    for s in dict.fromkeys((seg, _CALL_SUFFIX.sub("", seg))):
+        parts = cur.split(".") if cur else []
+        for k in range(len(parts), -1, -1):
+            cand = ".".join([*parts[:k], s])
+            if cand in paths and (not inside or not cur or cand == cur or cand.startswith(cur + ".")):
+                return cand
+    return None
+
+
+def _alias(seg: str, cur: str, paths: set[str]) -> str | None:
+    """`cur`'s own name for a module registered first elsewhere (the segment names that one)."""
+    first = _lookup(seg, cur, paths, inside=False)
+    alias = f"{cur}.{first.rsplit('.', 1)[-1]}" if first else None
+    return alias if alias in paths else None
+
+
+def _names_a_module(seg: str, paths: set[str]) -> bool:
+    names = {seg, _CALL_SUFFIX.sub("", seg)}
+    return any(p in names or p.rsplit(".", 1)[-1] in names or any(p.endswith("." + n) for n in names) for p in paths)
 
 
 def step_node_paths(model, paths, roots: list[str]):
@@ -205,6 +224,17 @@ def step_node_paths(model, paths, roots: list[str]):
             if hits > best[0]:
                 best = (hits, skip, base, table)
     hits, skip, base, table = best
+    # a name that does not resolve from that base may from another module the file's names already
+    # reach: an export that writes the predictor's blocks as `/encoder/F0.1/...` beside
+    # `/encoder/predictor/...`
+    placed = set(table.values())
+    others = [b for b in bases if b and b != base and any(p == b or p.startswith(b + ".") for p in placed)]
+    for s in unique - set(table):
+        if len(s) > skip:
+            p = next((p for b in others for p in [resolve(s[skip:], b, paths)] if inside(p)), None)
+            if p is not None:
+                table[s] = p
+                hits += sum(1 for t, _ in segs if t == s)
     source = next((how for s, how in segs if s), "no module scopes")
     dropped = {".".join(s[:skip]) for s in table} if skip else set()
     how = (f"{source}" + (f", export prefix {' / '.join(repr(d) for d in sorted(dropped))} dropped" if dropped else "")

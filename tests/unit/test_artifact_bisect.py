@@ -35,11 +35,12 @@ def _graph(nodes: list[tuple[str, dict | None]]):
 
 
 def _placed(nodes, roots):
+    from harness.architecture import build_empty_kmodel
     from harness.port.onnx_steps import step_node_paths
-    from harness.port.tensors import module_paths
 
-    model = _graph(nodes)
-    node_path, how = step_node_paths(model, module_paths(), roots)
+    model = _graph(nodes)  # every path, a shared instance's aliases too, as a hooked run lists them
+    paths = [p for p, _ in build_empty_kmodel().named_modules(remove_duplicate=False) if p]
+    node_path, how = step_node_paths(model, paths, roots)
     return [node_path(n) for n in model.graph.node], how
 
 
@@ -62,7 +63,14 @@ def test_torchscript_names_resolve_under_the_detected_prefix():
     # block) stays in the block that calls it; an export's own wrapper scope is passed through
     got, _ = _placed([("/text_encoder/cnn.1/cnn.0.2/LeakyRelu", None), ("/text_encoder/cnn.1/cnn.1.0/Conv", None)],
                      ["text_encoder"])
-    assert got == ["text_encoder.cnn.1", "text_encoder.cnn.1.0"]
+    assert got == ["text_encoder.cnn.1.2", "text_encoder.cnn.1.0"]
+    # ... and neither makes a prefix that is also a module's name (kokoro-onnx's `encoder`, ALBERT's
+    # `bert.encoder`) a base that swallows every node after it
+    got, how = _placed([("/encoder/text_encoder/cnn.0/cnn.0.0/Conv", None), ("/encoder/text_encoder/cnn.1/cnn.0.2/"
+                        "LeakyRelu", None), ("/encoder/text_encoder/lstm/LSTM", None), ("/encoder/bert/embeddings/Add",
+                                                                                          None)], ["bert", "text_encoder"])
+    assert got == ["text_encoder.cnn.0.0", "text_encoder.cnn.1.2", "text_encoder.lstm", "bert.embeddings"], how
+    assert "'encoder' dropped" in how
     got, _ = _placed([("/decoder/generator/istft/stft/Conv", None), ("/decoder/generator/conv_post/Conv", None)],
                      ["decoder"])
     assert got == ["decoder.generator.stft", "decoder.generator.conv_post"]

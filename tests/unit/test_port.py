@@ -762,3 +762,31 @@ def test_the_packaged_int8_onnx_cut_at_its_own_names_gives_the_whole_models_find
     defects = rec["bisect"]["defects"]
     assert [(d["stage"], d["module"]) for d in defects] == [("vocoder", "decoder.generator.istft")], rec["reason"]
     assert "gain" in defects[0]["kind"], defects
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
+                    reason="a real-model run in a browser (3 min on 2 cores): `make heavy-tests`")
+def test_the_packaged_int8_onnx_in_the_browser_is_localized_there_to_the_same_defect(tmp_path):
+    """The whole int8 file judged in onnxruntime-web (WebAssembly) and localized in that browser:
+    the record says where the stages ran, and the one defect is the inverse STFT's gain, as on CPU."""
+    import json
+
+    from harness import cli
+    from harness.backends.onnxruntime_web import browser_missing
+    from harness.onnx_rebuild import assemble_onnx
+
+    if browser_missing():
+        pytest.skip(browser_missing())
+    whole = assemble_onnx(tmp_path / "kokoro-v1.0.int8.onnx")
+    reports = tmp_path / "reports"
+    cli.main(["check", str(whole), "--artifact-runtime", "ort-web-wasm", "--case", "en_short", "--bisect",
+              "--report-dir", str(reports)])
+    (path,) = (reports / "records").glob("*.json")
+    rec = json.loads(path.read_text())
+    assert rec["verdict"] == "fail", rec["reason"]
+    b = rec["bisect"]
+    assert b["judged_on"] == "ort-web-wasm" and "onnxruntime-web" in b["runtime"], b
+    assert b["first_stage"] == "decoder.generator.istft"
+    assert [d["stage"] for d in b["defects"]] == ["decoder.generator.istft"], b["defects"]
+    assert "gain" in b["defects"][0]["kind"]
