@@ -195,7 +195,7 @@ class Session:
         backend = get_backend(item.backend)
         rec = self.new_record(item, self.patches_for(backend), backend)
         remote_compile = backend.compile_where == "target" and getattr(item, "target", "local") != "local"
-        ok, why = (True, "") if remote_compile else backend.available()  # else the target's probe decides
+        ok, why = (True, "") if remote_compile else self.target_for(item.target).available(backend)
         if not ok:
             rec.reason = why
             return rec
@@ -396,7 +396,8 @@ class Session:
         backend = PrebuiltBackend(path, runtime)
         if runtime != NATIVE:  # the record names where the file ran, even when it could not
             rec.audit[f"{tag}runtime"] = runtime
-        ok, why = backend.available()
+        target = self.target_for(rec.target.get("name") or "local")
+        ok, why = target.available(backend)
         if not ok:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"
             return None
@@ -414,7 +415,7 @@ class Session:
             failed(rec, result, Verdict.COMPILE_ERROR)
             return None
         rec.artifact_bytes = max(rec.artifact_bytes or 0, size_of(backend.path))
-        ok, why = backend.runnable()
+        ok, why = target.runnable(backend) if target.kind == "browser" else backend.runnable()
         if not ok:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"
             return None

@@ -158,7 +158,7 @@ def browser_missing() -> str:
     """Why no page can run here (no chromium, no onnxruntime-web in web/node_modules), with the
     command that installs it; "" when both are there. The backends' and a user's ONNX artifact's
     (`--artifact-runtime`, harness.backends.prebuilt) one check."""
-    if not os.path.exists(CHROMIUM):
+    if _device is None and not os.path.exists(CHROMIUM):  # a device's own browser needs none here
         return f"{CHROMIUM} not installed (apt-get install chromium)"
     if ort_web_version() is None:
         return f"{NPM_PACKAGE} not installed in {web_dir()}/node_modules (npm ci --prefix web)"

@@ -149,6 +149,11 @@ class DeviceTarget(BrowserTarget):
         return False, (f"target {self.name!r} is a browser on the user's device: it runs onnxruntime-web "
                        f"items only (ort-web-wasm, ort-web-webgpu, --artifact-runtime ort-web-*)")
 
+    def available(self, backend) -> tuple[bool, str]:
+        """The backend's own check, less the Chromium that the device's browser replaces."""
+        with on_device(self.device):
+            return backend.available()
+
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, **({"device": self.device.seen} if self.device.seen else {})}
 

@@ -216,6 +216,10 @@ class Target:
         """Whether the backend's run phase can execute on this target."""
         raise NotImplementedError
 
+    def available(self, backend) -> tuple[bool, str]:
+        """Whether this machine has what the backend's items need here (its packages, tools)."""
+        return backend.available()
+
     def describe(self) -> dict[str, Any]:
         """What a record says about where it ran: name, kind, OS, machine, Python, versions."""
         raise NotImplementedError
