@@ -467,19 +467,24 @@ PHONE_UA = "Mozilla/5.0 (Linux; Android 14; Pixel 8) kokoro-parity-test-phone"
 
 
 @pytest.mark.slow
-def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_names_it(tiny, tmp_path, capsys):
+def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_names_it(tiny, user_onnx, tmp_path,
+                                                                                          capsys):
     """As a phone would: a second headless Chromium (its own user agent) opens the printed URL once
-    and runs two items in turn; a backend that is not onnxruntime-web's is SKIPPED there."""
+    and runs a step's item and a user's ONNX (`--artifact-runtime ort-web-wasm`) in turn; a backend
+    that is not onnxruntime-web's is SKIPPED there."""
     from playwright.sync_api import sync_playwright
 
+    from harness import pipeline
+    from harness.artifacts import ArtifactItem
     from harness.backends.web_page import launch_chromium
     from harness.runner import Item
     from harness.verdict import Verdict
 
     _device_target(tiny, tmp_path, "phone", wait_s=60)
-    item = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
+    step = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
+    mine = ArtifactItem("tiny", "bert_encoder", str(user_onnx[0]), "dynamic", "ort-web-wasm", target="phone")
     records, lines = [], []
-    runs = threading.Thread(target=lambda: records.extend(tiny.run(item) for _ in range(2)))
+    runs = threading.Thread(target=lambda: records.extend([tiny.run(step), pipeline.check(tiny, mine)]))
     start = time.monotonic()
     runs.start()
     try:
@@ -489,7 +494,7 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
             page = phone.new_page(user_agent=PHONE_UA)
             page.goto(url)
             runs.join(timeout=120)
-            assert "run(s) done" in page.inner_text("body")
+            assert "2 run(s) done" in page.inner_text("body")
             phone.close()
         other = tiny.run(Item("tiny", "bert_encoder", "onnxruntime", "dynamic", target="phone"))
     finally:
@@ -499,10 +504,11 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
     lines += capsys.readouterr().err.splitlines()
     assert len([ln for ln in lines if DEVICE_LINE.search(ln)]) == 1, lines  # one page load, both items
     assert [r.verdict for r in records] == [Verdict.PASS, Verdict.PASS], [r.reason for r in records]
-    rec = records[-1]
-    assert rec.target["kind"] == "browser" and rec.target["device"]["user_agent"] == PHONE_UA
-    assert rec.audit["browser"]["user_agent"] == PHONE_UA and rec.audit["browser"]["device"] is True
-    assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0  # the page's own log, posted back
+    assert records[1].item_id == "tiny-bert_encoder-artifact-mine_onnx@ort-web-wasm@phone-dynamic"
+    for rec in records:
+        assert rec.target["kind"] == "browser" and rec.target["device"]["user_agent"] == PHONE_UA
+        assert rec.audit["browser"]["user_agent"] == PHONE_UA and rec.audit["browser"]["device"] is True
+        assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0  # the page's own log, posted back
     assert other.verdict is Verdict.SKIPPED and "onnxruntime-web items only" in other.reason, other.reason
 
 
