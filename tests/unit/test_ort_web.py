@@ -527,3 +527,27 @@ def test_a_device_page_nobody_opens_is_the_items_skip_never_a_pass(tiny, tmp_pat
     assert rec.verdict is Verdict.SKIPPED and "no browser opened the URL within 2 s" in rec.reason, rec.reason
     assert re.search(r"open http://127\.0\.0\.1:\d+/runner\.html\?device on the device \(waiting up to 2 s\)", err)
     assert "kokoro-parity: waiting for a browser at http://127.0.0.1:" in err  # the progress line
+
+
+def test_a_browser_target_listens_on_loopback_unless_its_entry_names_an_address(tmp_path):
+    from harness.backends.web_device import DeviceTarget, listen_address
+    from harness.plumbing.targets import TargetError, get_target
+
+    path = tmp_path / "targets.yaml"
+    path.write_text("targets:\n  phone: {kind: browser}\n  lan: {kind: browser, listen: '0.0.0.0:8765', wait_s: 30}\n"
+                    "  bad: {kind: browser, listen: 'a b'}\n")
+    with pytest.raises(TargetError, match=r"targets.bad.listen: String should match pattern"):
+        get_target("phone", path)
+    path.write_text("targets:\n  phone: {kind: browser}\n  lan: {kind: browser, listen: '0.0.0.0:8765', wait_s: 30}\n")
+    phone, lan = (get_target(n, path) for n in ("phone", "lan"))
+    assert (phone.kind, phone.spec.wait_s, lan.spec.wait_s) == ("browser", 300, 30)
+    assert listen_address(phone.spec.listen) == ("127.0.0.1", 0) and listen_address(lan.spec.listen) == ("0.0.0.0", 8765)
+    assert listen_address("192.168.1.5") == ("192.168.1.5", 0)
+    device = DeviceTarget(phone.name, phone.spec)
+    try:
+        device.device.start()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/runner\.html\?device", device.device.url)
+        assert device.describe() == {"name": "phone", "kind": "browser"}
+        assert not device.runnable(get_backend("onnxruntime"))[0] and device.runnable(get_backend("ort-web-wasm"))[0]
+    finally:
+        device.close()
