@@ -9,7 +9,8 @@ every item of the session. The server listens on loopback unless the targets fil
 address, and serves only the harness's own files of the run under way.
 
 The run job runs in this process (the browser is the isolation: its crash or hang is the item's
-RUN_ERROR or TIMEOUT); a page that never comes is the item's SKIPPED, never a pass.
+RUN_ERROR or TIMEOUT); a page that never comes, or a WebGPU item where the device's browser has
+no adapter, is the item's SKIPPED, never a pass.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def listen_address(listen: str | None) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class NotOpened(Exception):
-    """No browser took the run within the wait: the item's SKIPPED."""
+class DeviceSkip(Exception):
+    """The device cannot take the run (no browser opened the URL, no WebGPU there): the item's SKIPPED."""
 
 
 def takes(backend) -> bool:
@@ -111,6 +112,8 @@ class Device:
             time.sleep(0.05)
         said = json.loads(self.server.posted[f"/answer/{job_id}"])
         self.seen = {"user_agent": said.get("user_agent"), "webgpu_adapter": said.get("adapter")}
+        if "error" in said and execution_provider == "webgpu" and "error" in (said.get("adapter") or {}):
+            raise DeviceSkip(f"the device's browser has no WebGPU: {said['adapter']['error']}")
         if "error" in said:
             raise RuntimeError(f"onnxruntime-web ({execution_provider}) on the device: {said['error']}")
         browser = {"user_agent": said.get("user_agent"), "device": True}
@@ -119,7 +122,7 @@ class Device:
 
     def _wait_for_page(self) -> None:
         """Until a page takes the pending run: the URL once when no page is polling, then a progress
-        line every PROGRESS_S; NotOpened after `wait_s`."""
+        line every PROGRESS_S; DeviceSkip after `wait_s`."""
         start = time.monotonic()
         if start - self._polled > SEEN_S:
             print(f"kokoro-parity: open {self.url} on the device (waiting up to {self.wait_s:.0f} s)",
@@ -131,7 +134,7 @@ class Device:
                     self._pending = None
                 if self._taken.is_set():  # taken in the last instant
                     return
-                raise NotOpened(f"no browser opened the URL within {self.wait_s:.0f} s")
+                raise DeviceSkip(f"no browser opened the URL within {self.wait_s:.0f} s")
             print(f"kokoro-parity: waiting for a browser at {self.url}: {waited:.0f} s of {self.wait_s:.0f} s",
                   file=self.out or sys.stderr, flush=True)
 
@@ -169,7 +172,7 @@ class DeviceTarget(BrowserTarget):
         try:
             with on_device(self.device):
                 value = getattr(importlib.import_module(module), name)(**kwargs)
-        except NotOpened as e:
+        except DeviceSkip as e:
             raise TargetUnreachable(str(e)) from None
         except TimeoutError as e:
             return JobResult("timeout", error=str(e), seconds=time.monotonic() - start,

@@ -470,8 +470,8 @@ PHONE_UA = "Mozilla/5.0 (Linux; Android 14; Pixel 8) kokoro-parity-test-phone"
 def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_names_it(tiny, user_onnx, tmp_path,
                                                                                           capsys):
     """As a phone would: a second headless Chromium (its own user agent) opens the printed URL once
-    and runs a step's item and a user's ONNX (`--artifact-runtime ort-web-wasm`) in turn; a backend
-    that is not onnxruntime-web's is SKIPPED there."""
+    and runs a step's item and a user's ONNX (`--artifact-runtime ort-web-wasm`) in turn; a WebGPU
+    item where that browser has no adapter, and a backend not onnxruntime-web's, are SKIPPED there."""
     from playwright.sync_api import sync_playwright
 
     from harness import pipeline
@@ -484,7 +484,8 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
     step = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
     mine = ArtifactItem("tiny", "bert_encoder", str(user_onnx[0]), "dynamic", "ort-web-wasm", target="phone")
     records, lines = [], []
-    runs = threading.Thread(target=lambda: records.extend([tiny.run(step), pipeline.check(tiny, mine)]))
+    gpu = Item("tiny", "bert_encoder", "ort-web-webgpu", "dynamic", target="phone")  # no WebGPU on this "phone"
+    runs = threading.Thread(target=lambda: records.extend([tiny.run(step), pipeline.check(tiny, mine), tiny.run(gpu)]))
     start = time.monotonic()
     runs.start()
     try:
@@ -494,7 +495,7 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
             page = phone.new_page(user_agent=PHONE_UA)
             page.goto(url)
             runs.join(timeout=120)
-            assert "2 run(s) done" in page.inner_text("body")
+            assert "3 run(s) done" in page.inner_text("body")
             phone.close()
         other = tiny.run(Item("tiny", "bert_encoder", "onnxruntime", "dynamic", target="phone"))
     finally:
@@ -503,9 +504,11 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
     print(f"device items: {time.monotonic() - start:.1f} s", file=sys.stderr)
     lines += capsys.readouterr().err.splitlines()
     assert len([ln for ln in lines if DEVICE_LINE.search(ln)]) == 1, lines  # one page load, both items
-    assert [r.verdict for r in records] == [Verdict.PASS, Verdict.PASS], [r.reason for r in records]
+    assert [r.verdict for r in records] == [Verdict.PASS, Verdict.PASS, Verdict.SKIPPED], [r.reason for r in records]
     assert records[1].item_id == "tiny-bert_encoder-artifact-mine_onnx@ort-web-wasm@phone-dynamic"
-    for rec in records:
+    assert "the device's browser has no WebGPU" in records[2].reason, records[2].reason
+    assert records[2].target["device"]["user_agent"] == PHONE_UA
+    for rec in records[:2]:
         assert rec.target["kind"] == "browser" and rec.target["device"]["user_agent"] == PHONE_UA
         assert rec.audit["browser"]["user_agent"] == PHONE_UA and rec.audit["browser"]["device"] is True
         assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0  # the page's own log, posted back
