@@ -106,7 +106,7 @@ def webgpu_adapter() -> dict:
     """What this machine's headless Chromium offers to WebGPU (asked once per process): the adapter's
     info, or {"error": why there is none}."""
     try:
-        with PageServer(files=_page_files()) as server, playwright_api.sync_playwright() as p:
+        with PageServer(files=page_files()) as server, playwright_api.sync_playwright() as p:
             browser = launch_chromium(p, webgpu=True)
             try:
                 page = browser.new_page()
@@ -119,7 +119,7 @@ def webgpu_adapter() -> dict:
         return {"error": f"Chromium did not start: {first_error_line(e)}"}
 
 
-def _page_files() -> dict[str, Path]:
+def page_files() -> dict[str, Path]:
     return {"/runner.html": web_dir() / "runner.html", "/runner.js": web_dir() / "runner.js"}
 
 
@@ -259,7 +259,7 @@ class BrowserSession:
     def __enter__(self) -> "BrowserSession":
         try:
             self._server = self._stack.enter_context(PageServer(
-                files=_page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}))
+                files=page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}))
             self._playwright = self._stack.enter_context(playwright_api.sync_playwright())
         except BaseException:
             self._stack.close()
@@ -300,7 +300,7 @@ def stage_job(server: PageServer, model: Path, feed: dict, execution_provider: s
     arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
     specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
     side = side_files(Path(model))
-    server.files = {**_page_files(), "/model.onnx": Path(model),
+    server.files = {**page_files(), "/model.onnx": Path(model),
                     **{f"/external/{i}": f for i, f in enumerate(side.values())}}
     server.blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
     server.posted.clear()

@@ -26,7 +26,8 @@ from pathlib import Path
 from ..plumbing.jobs import JobResult, first_error_line
 from ..plumbing.targets import BrowserTarget, TargetUnreachable
 from . import get_backend
-from .onnxruntime_web import NPM_PACKAGE, OrtWebBackend, on_device, read_outputs, run_audit, stage_job, web_dir
+from .onnxruntime_web import (NPM_PACKAGE, OrtWebBackend, on_device, page_files, read_outputs, run_audit, stage_job,
+                              web_dir)
 from .web_page import LOOPBACK, PageServer
 
 RUN_FUNCTION = "harness.backends:run_artifact_job"  # the only job a device takes: an ort-web-* run
@@ -60,11 +61,12 @@ class Device:
 
     def __init__(self, host: str, port: int, wait_s: float, out=None) -> None:
         self.wait_s, self.out = wait_s, out  # where the URL and progress lines go (stderr when None)
-        self.server = PageServer(trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"},
+        self.server = PageServer(files=page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"},
                                  routes={"/next": self._next}, host=host, port=port)
         self._lock = threading.Lock()
         self._pending: dict | None = None  # the run no page has taken yet
         self._taken = threading.Event()
+        self._came = threading.Event()  # a page polled
         self._polled = 0.0  # when a page last asked for a run (monotonic)
         self._ids = itertools.count(1)
         self.seen: dict = {}  # the user agent and adapter of the page that answered last
@@ -89,6 +91,7 @@ class Device:
         """GET /next: the run no page has taken yet (taken by this request), or {}."""
         with self._lock:
             self._polled = time.monotonic()
+            self._came.set()
             job, self._pending = self._pending, None
         if job is None:
             return b"{}"
@@ -104,12 +107,19 @@ class Device:
         self._taken.clear()
         with self._lock:
             self._pending = {"id": job_id, "cfg": cfg}
-        self._wait_for_page()
+        try:
+            self._wait(self._taken)
+        except DeviceSkip:
+            with self._lock:
+                self._pending = None
+            if not self._taken.is_set():  # else taken in the last instant
+                raise
         deadline = time.monotonic() + timeout
         while f"/answer/{job_id}" not in self.server.posted:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the device's page gave no answer after {timeout:.0f} s")
             time.sleep(0.05)
+        self._polled = time.monotonic()  # the page is there: it polls again after its answer
         said = json.loads(self.server.posted[f"/answer/{job_id}"])
         self.seen = {"user_agent": said.get("user_agent"), "webgpu_adapter": said.get("adapter")}
         if "error" in said and execution_provider == "webgpu" and "error" in (said.get("adapter") or {}):
@@ -120,20 +130,23 @@ class Device:
         return (read_outputs(self.server, said["answer"], f"/output/{job_id}/"),
                 run_audit(said["answer"], said.get("console", []), browser, cfg))
 
-    def _wait_for_page(self) -> None:
-        """Until a page takes the pending run: the URL once when no page is polling, then a progress
-        line every PROGRESS_S; DeviceSkip after `wait_s`."""
+    def wait_for_page(self) -> None:
+        """Until a page polls: at once when one did in the last SEEN_S, so that a run's time is not
+        the user's way to the URL."""
+        if time.monotonic() - self._polled > SEEN_S:
+            self._came.clear()
+            self._wait(self._came)
+
+    def _wait(self, done: threading.Event) -> None:
+        """Until `done`: the URL once when no page is polling, then a progress line every
+        PROGRESS_S; DeviceSkip after `wait_s`."""
         start = time.monotonic()
         if start - self._polled > SEEN_S:
             print(f"kokoro-parity: open {self.url} on the device (waiting up to {self.wait_s:.0f} s)",
                   file=self.out or sys.stderr, flush=True)
-        while not self._taken.wait(min(PROGRESS_S, max(0.0, start + self.wait_s - time.monotonic()))):
+        while not done.wait(min(PROGRESS_S, max(0.0, start + self.wait_s - time.monotonic()))):
             waited = time.monotonic() - start
             if waited >= self.wait_s:
-                with self._lock:
-                    self._pending = None
-                if self._taken.is_set():  # taken in the last instant
-                    return
                 raise DeviceSkip(f"no browser opened the URL within {self.wait_s:.0f} s")
             print(f"kokoro-parity: waiting for a browser at {self.url}: {waited:.0f} s of {self.wait_s:.0f} s",
                   file=self.out or sys.stderr, flush=True)
@@ -170,6 +183,8 @@ class DeviceTarget(BrowserTarget):
         start = time.monotonic()
         self.device.run_s = timeout
         try:
+            self.device.start()
+            self.device.wait_for_page()  # before the job: its run_s is the device's, not the user's wait
             with on_device(self.device):
                 value = getattr(importlib.import_module(module), name)(**kwargs)
         except DeviceSkip as e:

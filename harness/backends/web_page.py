@@ -5,8 +5,9 @@ a web port does. Everything the page needs comes from this server on 127.0.0.1: 
 runtime's JavaScript and WebAssembly from web/node_modules, the model file (served from disk in
 chunks: a 90 MB model is never inlined into a script or a protocol message), each input's raw
 bytes; the page posts each output's raw bytes back. Nothing is fetched from the internet, and the
-server stops with the run. A browser target (harness.backends.web_device) serves a page on the
-user's own device from the same server, on another address only when its targets.yaml entry says so. Tensors cross the page boundary as bytes, never as JSON number lists.
+server stops with the run. Tensors cross the page boundary as bytes, never as JSON number lists.
+A browser target (harness.backends.web_device) serves a page on the user's own device from the
+same server, on another address only when its targets.yaml entry says so.
 """
 from __future__ import annotations
 
