@@ -17,12 +17,12 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
-import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 
+from .. import progress
 from ..plumbing.jobs import JobResult, first_error_line
 from ..plumbing.targets import BrowserTarget, TargetUnreachable
 from . import get_backend
@@ -59,8 +59,8 @@ def takes(backend) -> bool:
 class Device:
     """The server a device's page polls, and the hand-over of one run at a time to it."""
 
-    def __init__(self, host: str, port: int, wait_s: float, out=None) -> None:
-        self.wait_s, self.out = wait_s, out  # where the URL and progress lines go (stderr when None)
+    def __init__(self, host: str, port: int, wait_s: float) -> None:
+        self.wait_s = wait_s
         self.server = PageServer(files=page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"},
                                  routes={"/next": self._next}, host=host, port=port)
         self._lock = threading.Lock()
@@ -142,14 +142,12 @@ class Device:
         PROGRESS_S; DeviceSkip after `wait_s`."""
         start = time.monotonic()
         if start - self._polled > SEEN_S:
-            print(f"kokoro-parity: open {self.url} on the device (waiting up to {self.wait_s:.0f} s)",
-                  file=self.out or sys.stderr, flush=True)
+            progress.say(f"kokoro-parity: open {self.url} on the device (waiting up to {self.wait_s:.0f} s)")
         while not done.wait(min(PROGRESS_S, max(0.0, start + self.wait_s - time.monotonic()))):
             waited = time.monotonic() - start
             if waited >= self.wait_s:
                 raise DeviceSkip(f"no browser opened the URL within {self.wait_s:.0f} s")
-            print(f"kokoro-parity: waiting for a browser at {self.url}: {waited:.0f} s of {self.wait_s:.0f} s",
-                  file=self.out or sys.stderr, flush=True)
+            progress.say(f"kokoro-parity: waiting for a browser at {self.url}: {waited:.0f} s of {self.wait_s:.0f} s")
 
 
 class DeviceTarget(BrowserTarget):
