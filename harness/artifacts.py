@@ -17,7 +17,7 @@ from .backends.prebuilt import NATIVE, PrebuiltBackend, describe as describe_por
 from .patches import canonical
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
-from .record import Audit, item_id
+from .record import Audit, backend_label, item_id
 from .runner import Item, Resolved, failed
 from .steps import STEP_NAMES, get_step
 from .verdict import Verdict
@@ -33,6 +33,7 @@ class ArtifactItem:
     path: str
     mode: str
     runtime: str = NATIVE  # `--artifact-runtime`: native, or onnxruntime-web for an ONNX (ort-web-wasm, ...)
+    target: str = "local"  # a browser target (a page on the user's device) for a browser runtime
 
     @property
     def backend(self) -> str:
@@ -40,7 +41,7 @@ class ArtifactItem:
 
     @property
     def id(self) -> str:
-        return item_id(self.case, self.step, self.backend, self.mode)
+        return item_id(self.case, self.step, backend_label(self.backend, self.target), self.mode)
 
     # harness.pipeline: how this kind of item runs and is localized
     def run(self, session):
@@ -162,8 +163,9 @@ def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> lis
 def artifact_items(session, specs: list[str], modes, runtimes=(NATIVE,)) -> list[ArtifactItem]:
     """Items of `--artifact STEP=PATH`: per case, mode and runtime (`--artifact-runtime`) that runs it."""
     items = []
+    device = session.target if session.target_for(session.target).kind == "browser" else "local"
     for spec in specs:
         step, path = parse_spec(spec)
-        items += [ArtifactItem(c, step, path, m, r) for r in runtimes_for(spec, path, runtimes)
-                  for c in session.cases for m in modes]
+        items += [ArtifactItem(c, step, path, m, r, device if r != NATIVE else "local")
+                  for r in runtimes_for(spec, path, runtimes) for c in session.cases for m in modes]
     return items

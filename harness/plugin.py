@@ -123,8 +123,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             p.unlink()
 
     progress.set_display(_progress_display(session.config))
+    progress.set_say(_say_uncaptured(session.config))
     _session(session.config)  # a bad case or target: one usage error (exit 4) before collection
 
+
+
+def _say_uncaptured(config: pytest.Config):
+    """A line on stderr past pytest's capture (a device target's URL: the user must open it)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
+
+    def say(line: str) -> None:
+        with uncaptured():
+            print(line, file=sys.stderr, flush=True)
+
+    return say
 
 
 def _progress_display(config: pytest.Config):
@@ -259,6 +272,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda it: _case_length(config, it))  # stable: the order within a case stays
     else:  # no parity item here (this repository's unit tests): their Sessions' phases are not news
         progress.set_display(None)
+        progress.set_say(None)
     shard = config.getoption("--shard")
     if shard:
         k, n = _parse_shard(shard)
@@ -392,6 +406,7 @@ class _VerdictLines:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Each process writes its work counts, so that the controller (xdist) can add them up."""
     progress.set_display(None)
+    progress.set_say(None)
     s = session.config.stash.get(SESSION_KEY, None)
     if s is not None:
         s.close()  # the targets' SSH connections

@@ -161,6 +161,23 @@ def phase(name: str, subject: str | None = None, active: bool = True) -> Iterato
             display.end(p, seconds, ok, list(_stack))
 
 
+_say: Callable[[str], None] | None = None  # the face's way to a line the user must act on
+
+
+def say(text: str) -> None:
+    """A line the user must see and act on (a URL to open on a device): through the face's
+    `set_say` (pytest: past its output capture, even with -q), else on stderr."""
+    if _say is not None:
+        _say(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def set_say(write_line: Callable[[str], None] | None) -> None:
+    global _say
+    _say = write_line
+
+
 def set_display(display) -> None:
     """Install the display of this process (None: show nothing). The faces call this."""
     global _display

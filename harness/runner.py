@@ -22,6 +22,7 @@ from .cases import Case, case_dirs, configured_dirs, load_cases
 from .e2e import run_e2e
 from .metrics.audio import audio_metrics, write_audio
 from .model import SAMPLE_RATE, load_model, load_vocab
+from .backends.web_device import DeviceTarget
 from .backends.prebuilt import NATIVE, PrebuiltBackend, describe_as_json, ports_from_job
 from .patches import PATCHES, canonical as canonical_patches
 from .plumbing import cache, run_cache
@@ -150,7 +151,10 @@ class Session:
     def target_for(self, name: str = "local"):
         """The target (harness.plumbing.targets), loaded once; an unknown one is a TargetError."""
         if name not in self._targets:
-            self._targets[name] = get_target(name, self.targets_file)
+            target = get_target(name, self.targets_file)
+            if target.kind == "browser":  # a page on the user's device (harness.backends.web_device)
+                target = DeviceTarget(target.name, target.spec)
+            self._targets[name] = target
         return self._targets[name]
 
     def close(self) -> None:
@@ -191,7 +195,7 @@ class Session:
         backend = get_backend(item.backend)
         rec = self.new_record(item, self.patches_for(backend), backend)
         remote_compile = backend.compile_where == "target" and getattr(item, "target", "local") != "local"
-        ok, why = (True, "") if remote_compile else backend.available()  # else the target's probe decides
+        ok, why = (True, "") if remote_compile else self.target_for(item.target).available(backend)
         if not ok:
             rec.reason = why
             return rec
@@ -392,7 +396,8 @@ class Session:
         backend = PrebuiltBackend(path, runtime)
         if runtime != NATIVE:  # the record names where the file ran, even when it could not
             rec.audit[f"{tag}runtime"] = runtime
-        ok, why = backend.available()
+        target = self.target_for(rec.target.get("name") or "local")
+        ok, why = target.available(backend)
         if not ok:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"
             return None
@@ -410,7 +415,7 @@ class Session:
             failed(rec, result, Verdict.COMPILE_ERROR)
             return None
         rec.artifact_bytes = max(rec.artifact_bytes or 0, size_of(backend.path))
-        ok, why = backend.runnable()
+        ok, why = target.runnable(backend) if target.kind == "browser" else backend.runnable()
         if not ok:
             rec.verdict, rec.reason = Verdict.SKIPPED, f"{where}{why}"
             return None
@@ -472,6 +477,7 @@ class Session:
         if "transport_s" in result.extra:  # shipping, ssh and the remote Python's start, beyond the job itself
             rec.timings[f"{tag}transport_s"] = result.extra["transport_s"]
         rec.peak_rss_mb[f"{tag}run"] = result.peak_rss_mb
+        rec.target.update(result.extra.get("target") or {})  # a device's page: its user agent and adapter
         if not result.ok:
             failed(rec, result, Verdict.RUN_ERROR)
             return None

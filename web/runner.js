@@ -40,11 +40,11 @@ function tensorOf(ort, spec, buffer) {
   return new ort.Tensor(spec.dtype, new Array_(buffer), spec.dims);
 }
 
-async function postOutput(i, tensor) {
+async function postOutput(url, tensor) {
   const data = tensor.data;  // a typed array on the CPU (outputs are downloaded by default)
   const body = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
-  const response = await fetch(`/output/${i}`, { method: "POST", body });
-  if (!response.ok) throw new Error(`POST /output/${i}: HTTP ${response.status}`);
+  const response = await fetch(url, { method: "POST", body });
+  if (!response.ok) throw new Error(`POST ${url}: HTTP ${response.status}`);
 }
 
 // A lost WebGPU device ends the run with the browser's reason instead of a hang.
@@ -88,7 +88,7 @@ window.kokoroRun = async function kokoroRun(cfg) {
   const outputs = [];
   for (const [i, name] of session.outputNames.entries()) {
     const tensor = results[name];
-    await postOutput(i, tensor);
+    await postOutput(`${cfg.outputs || "/output/"}${i}`, tensor);
     outputs.push({ name, dtype: tensor.type, dims: Array.from(tensor.dims) });
   }
   await session.release();
@@ -96,3 +96,59 @@ window.kokoroRun = async function kokoroRun(cfg) {
 };
 window.kokoroAdapter = adapterInfo;
 window.kokoroReady = true;
+
+// Device mode (runner.html?device), on the user's own phone or laptop: no harness drives this page,
+// so it asks the server for the next run (/next), runs it and posts its answer (/answer/ID) with
+// the device's user agent, adapter and onnxruntime's placement lines, until the tab is closed.
+const KEPT_LOG = /\[[WEF]:onnxruntime|Node placements|placed on \[|VerifyEachNodeIsAssignedToAnEp\]\s{3}|kernel not found in registries/;
+
+function keepConsole() {
+  const kept = [];
+  for (const level of ["log", "info", "warn", "error", "debug"]) {
+    const original = console[level].bind(console);
+    console[level] = (...args) => {
+      const line = args.map(String).join(" ");
+      if (KEPT_LOG.test(line)) kept.push(line);
+      original(...args);
+    };
+  }
+  return kept;
+}
+
+function show(text) {
+  document.body.textContent = text;
+}
+
+async function deviceLoop() {
+  const kept = keepConsole();
+  let done = 0;
+  show("kokoro-parity: waiting for runs");
+  for (;;) {
+    let job = {};
+    try {
+      job = await (await fetch("/next", { cache: "no-store" })).json();
+    } catch (e) {
+      show(`kokoro-parity: ${done} run(s) done; the harness is not answering (${e.message})`);
+    }
+    if (!job.id) {
+      await new Promise((resolve) => setTimeout(resolve, 500));
+      continue;
+    }
+    show(`kokoro-parity: running ${job.id} (${job.cfg.ep})`);
+    kept.length = 0;
+    const about = { user_agent: navigator.userAgent, adapter: await adapterInfo() };
+    let body;
+    try {
+      body = { ...about, answer: await window.kokoroRun(job.cfg), console: kept.slice() };
+    } catch (e) {
+      body = { ...about, error: String(e && e.message || e), console: kept.slice() };
+    }
+    await fetch(`/answer/${job.id}`, { method: "POST", body: JSON.stringify(body) });
+    done += 1;
+    show(`kokoro-parity: ${done} run(s) done; waiting for the next`);
+  }
+}
+
+if (new URLSearchParams(location.search).has("device")) {
+  window.addEventListener("load", () => deviceLoop());
+}

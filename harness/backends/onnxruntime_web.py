@@ -57,6 +57,21 @@ KEPT_LOG = re.compile(r"\[[WEF]:onnxruntime|Node placements|placed on \[|VerifyE
                       r"|kernel not found in registries")
 
 
+_device = None  # harness.backends.web_device.Device taking this process's runs (`on_device`)
+
+
+@contextlib.contextmanager
+def on_device(device):
+    """Runs in the `with` block go to `device` (a page on the user's own device) instead of a
+    headless Chromium started here."""
+    global _device
+    before, _device = _device, device
+    try:
+        yield device
+    finally:
+        _device = before
+
+
 class PageCrashed(RuntimeError):
     """The page's renderer died: the item's CRASHED, with the browser's message."""
 
@@ -91,7 +106,7 @@ def webgpu_adapter() -> dict:
     """What this machine's headless Chromium offers to WebGPU (asked once per process): the adapter's
     info, or {"error": why there is none}."""
     try:
-        with PageServer(files=_page_files()) as server, playwright_api.sync_playwright() as p:
+        with PageServer(files=page_files()) as server, playwright_api.sync_playwright() as p:
             browser = launch_chromium(p, webgpu=True)
             try:
                 page = browser.new_page()
@@ -104,7 +119,7 @@ def webgpu_adapter() -> dict:
         return {"error": f"Chromium did not start: {first_error_line(e)}"}
 
 
-def _page_files() -> dict[str, Path]:
+def page_files() -> dict[str, Path]:
     return {"/runner.html": web_dir() / "runner.html", "/runner.js": web_dir() / "runner.js"}
 
 
@@ -143,7 +158,7 @@ def browser_missing() -> str:
     """Why no page can run here (no chromium, no onnxruntime-web in web/node_modules), with the
     command that installs it; "" when both are there. The backends' and a user's ONNX artifact's
     (`--artifact-runtime`, harness.backends.prebuilt) one check."""
-    if not os.path.exists(CHROMIUM):
+    if _device is None and not os.path.exists(CHROMIUM):  # a device's own browser needs none here
         return f"{CHROMIUM} not installed (apt-get install chromium)"
     if ort_web_version() is None:
         return f"{NPM_PACKAGE} not installed in {web_dir()}/node_modules (npm ci --prefix web)"
@@ -214,10 +229,13 @@ def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str
                    drive=default_drive, session: "BrowserSession | None" = None) -> tuple[dict, dict]:
     """Run an ONNX file on named numpy arrays in onnxruntime-web in a headless Chromium: ({output
     name: array} in the model's output order, the audit of where it ran). In `session`'s browser
-    when given, else in one started for this call. Any ONNX file, so that what runs subgraphs of a
-    user's ONNX (a localizer) can run them here too."""
+    when given, else on the device page of a browser target when one is taking the runs (`on_device`),
+    else in one started for this call. Any ONNX file, so that what runs subgraphs of a user's ONNX
+    (a localizer) can run them here too."""
     if session is not None:
         return session.run(model, feed)
+    if _device is not None:
+        return _device.run(model, feed, execution_provider, bundle)
     with BrowserSession(execution_provider, bundle, drive) as one:
         return one.run(model, feed)
 
@@ -241,7 +259,7 @@ class BrowserSession:
     def __enter__(self) -> "BrowserSession":
         try:
             self._server = self._stack.enter_context(PageServer(
-                files=_page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}))
+                files=page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"}))
             self._playwright = self._stack.enter_context(playwright_api.sync_playwright())
         except BaseException:
             self._stack.close()
@@ -267,34 +285,50 @@ class BrowserSession:
 
     def run(self, model: Path, feed: dict) -> tuple[dict, dict]:
         """`run_in_browser`'s run, in a fresh page of this session's browser."""
-        arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
-        specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
-        side = side_files(Path(model))
-        cfg = {"bundle": self.bundle, "ep": self.execution_provider, "threads": THREADS, "verbose": True,
-               "inputs": specs, "external": [{"path": loc, "url": f"/external/{i}"} for i, loc in enumerate(side)]}
         server = self._server
-        server.files = {**_page_files(), "/model.onnx": Path(model),
-                        **{f"/external/{i}": f for i, f in enumerate(side.values())}}
-        server.blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
-        server.posted.clear()
-        del server.requests[:]
+        cfg = stage_job(server, model, feed, self.execution_provider, self.bundle)
         answer, console, browser = _in_page(self.browser(), server.url, cfg, self.drive)
         self.ort_files.update(r.split()[1][len("/ort/"):] for r in server.requests
                               if r.startswith("GET /ort/") and r.endswith(" 200"))
-        outputs = {}
-        for i, out in enumerate(answer["outputs"]):
-            raw = server.posted.get(f"/output/{i}")
-            if raw is None:
-                raise RuntimeError(f"output {out['name']}: the page posted no bytes")
-            outputs[out["name"]] = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"]).copy()
-        audit = {"ort_web": {"version": ort_web_version(), "bundle": self.bundle,
-                             "execution_provider": self.execution_provider, "wasm_threads": THREADS,
-                             "page_s": answer["times"]},
-                 "browser": browser, "webgpu_adapter": answer.get("adapter")}
-        found = placement(console)
-        # the wasm provider is onnxruntime's CPU provider: all of it is "on the CPU", no fallback to name
-        audit.update(found if self.execution_provider == "webgpu" else {"placement": found["placement"]})
-        return outputs, audit
+        return read_outputs(server, answer), run_audit(answer, console, browser, cfg)
+
+
+def stage_job(server: PageServer, model: Path, feed: dict, execution_provider: str, bundle: str,
+              outputs: str = "/output/") -> dict:
+    """Put one run's model, side files and input bytes on `server`; the page's config for it (its
+    outputs posted under `outputs`). What a harness-driven page and a device's page share."""
+    arrays = {n: np.ascontiguousarray(a) for n, a in feed.items()}
+    specs = [{"name": n, "dtype": a.dtype.name, "dims": list(a.shape)} for n, a in arrays.items()]
+    side = side_files(Path(model))
+    server.files = {**page_files(), "/model.onnx": Path(model),
+                    **{f"/external/{i}": f for i, f in enumerate(side.values())}}
+    server.blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
+    server.posted.clear()
+    del server.requests[:]
+    return {"bundle": bundle, "ep": execution_provider, "threads": THREADS, "verbose": True, "inputs": specs,
+            "external": [{"path": loc, "url": f"/external/{i}"} for i, loc in enumerate(side)], "outputs": outputs}
+
+
+def read_outputs(server: PageServer, answer: dict, prefix: str = "/output/") -> dict:
+    """{output name: array} from the bytes the page posted under `prefix`, in the model's order."""
+    outputs = {}
+    for i, out in enumerate(answer["outputs"]):
+        raw = server.posted.get(f"{prefix}{i}")
+        if raw is None:
+            raise RuntimeError(f"output {out['name']}: the page posted no bytes")
+        outputs[out["name"]] = np.frombuffer(raw, dtype=NUMPY[out["dtype"]]).reshape(out["dims"]).copy()
+    return outputs
+
+
+def run_audit(answer: dict, console: list[str], browser: dict, cfg: dict) -> dict:
+    """Where the run ran: onnxruntime-web, the browser, the adapter, the op audit from its log."""
+    audit = {"ort_web": {"version": ort_web_version(), "bundle": cfg["bundle"], "execution_provider": cfg["ep"],
+                         "wasm_threads": THREADS, "page_s": answer["times"]},
+             "browser": browser, "webgpu_adapter": answer.get("adapter")}
+    found = placement(console)
+    # the wasm provider is onnxruntime's CPU provider: all of it is "on the CPU", no fallback to name
+    audit.update(found if cfg["ep"] == "webgpu" else {"placement": found["placement"]})
+    return audit
 
 
 class BrowserRunner:

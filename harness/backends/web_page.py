@@ -6,10 +6,13 @@ runtime's JavaScript and WebAssembly from web/node_modules, the model file (serv
 chunks: a 90 MB model is never inlined into a script or a protocol message), each input's raw
 bytes; the page posts each output's raw bytes back. Nothing is fetched from the internet, and the
 server stops with the run. Tensors cross the page boundary as bytes, never as JSON number lists.
+A browser target (harness.backends.web_device) serves a page on the user's own device from the
+same server, on another address only when its targets.yaml entry says so.
 """
 from __future__ import annotations
 
 import shutil
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,16 +32,25 @@ TYPES = {".html": "text/html", ".js": "text/javascript", ".mjs": "text/javascrip
 CHUNK = 1 << 20
 
 
+POSTED = ("/output/", "/answer/")  # what a page may POST: outputs' bytes, a device page's answer
+LOOPBACK = "127.0.0.1"
+
+
 class PageServer:
-    """Serves `files` (URL path -> file), `trees` (URL prefix -> directory) and `blobs` (URL path ->
-    bytes) on 127.0.0.1 and keeps what the page POSTs under `/output/` in `posted` (path -> bytes).
-    A context manager: the server runs in a thread while the `with` block lasts."""
+    """Serves `files` (URL path -> file), `trees` (URL prefix -> directory), `blobs` (URL path ->
+    bytes) and `routes` (URL path -> a function giving the bytes at each request) on `host`
+    (loopback unless a caller names another address) and keeps what the page POSTs under
+    `/output/` and `/answer/` in `posted` (path -> bytes). A context manager: the server runs in a
+    thread while the `with` block lasts."""
 
     def __init__(self, files: dict[str, Path] | None = None, trees: dict[str, Path] | None = None,
-                 blobs: dict[str, bytes] | None = None) -> None:
+                 blobs: dict[str, bytes] | None = None, routes: dict | None = None,
+                 host: str = LOOPBACK, port: int = 0) -> None:
         self.files = {k: Path(v) for k, v in (files or {}).items()}
         self.trees = {k.rstrip("/") + "/": Path(v) for k, v in (trees or {}).items()}
         self.blobs = dict(blobs or {})
+        self.routes = dict(routes or {})
+        self.host, self.port = host, port
         self.posted: dict[str, bytes] = {}
         self.requests: list[str] = []  # "GET /path 200", in order: what the page asked for
         self._server: ThreadingHTTPServer | None = None
@@ -47,10 +59,12 @@ class PageServer:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        if host in ("0.0.0.0", "::"):  # every interface: the address a device on the LAN would use
+            host = lan_address()
         return f"http://{host}:{port}"
 
     def __enter__(self) -> "PageServer":
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = ThreadingHTTPServer((self.host, self.port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="page-server", daemon=True)
         self._thread.start()
@@ -64,6 +78,8 @@ class PageServer:
     def resolve(self, path: str) -> Path | bytes | None:
         """What a GET of `path` serves: a file, bytes, or None (404). A tree never serves outside itself."""
         path = path.split("?", 1)[0]
+        if path in self.routes:
+            return self.routes[path]()
         if path in self.blobs:
             return self.blobs[path]
         if path in self.files:
@@ -98,7 +114,7 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
                     shutil.copyfileobj(f, self.wfile, CHUNK)
 
         def do_POST(self) -> None:  # noqa: N802
-            if not self.path.startswith("/output/"):
+            if not self.path.startswith(POSTED):
                 self.send_error(404)
                 return
             length = int(self.headers.get("Content-Length", "0"))
@@ -112,6 +128,16 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def lan_address() -> str:
+    """This machine's address on the network its default route leaves by (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
 
 
 def launch_chromium(playwright, webgpu: bool):

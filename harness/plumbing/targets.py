@@ -1,4 +1,5 @@
-"""Targets: where a run job executes. `local` (this machine, the default) or a machine over SSH.
+"""Targets: where a run job executes. `local` (this machine, the default), a machine over SSH, or
+a browser on the user's own device (`kind: browser`: harness.backends.web_device).
 
 A job is a directory (plumbing/jobs.py). An SSH target ships what the job needs and runs it there
 with OpenSSH's own client (`ssh`, the Debian/macOS binary; no Python SSH library, so the user's
@@ -113,9 +114,18 @@ def _models():
             default_factory=dict, description="environment of the target's jobs: thread counts, CPU kernel pins "
                                               "(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS)")
 
+    class BrowserSpec(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        kind: Literal["browser"]
+        listen: str | None = pydantic.Field(
+            default=None, pattern=r"^(\[[0-9A-Fa-f:.]+\]|[^\s:]+)(:\d{1,5})?$",
+            description="HOST[:PORT] the page is served on; default 127.0.0.1 and a free port. Another "
+                        "address (0.0.0.0: the LAN) only when written here")
+        wait_s: float = pydantic.Field(default=300, gt=0, description="how long an item waits for a browser")
+
     class TargetsFile(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
-        targets: dict[str, Annotated[Union[LocalSpec, SshSpec], pydantic.Field(discriminator="kind")]]
+        targets: dict[str, Annotated[Union[LocalSpec, SshSpec, BrowserSpec], pydantic.Field(discriminator="kind")]]
 
     return LocalSpec, SshSpec, TargetsFile
 
@@ -148,7 +158,7 @@ def load_specs(path: str | os.PathLike | None = None) -> dict[str, Any]:
         try:
             specs = dict(TargetsFile.model_validate(raw if raw is not None else {"targets": {}}).targets)
         except pydantic.ValidationError as e:
-            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if not str(p).startswith(('LocalSpec', 'SshSpec')) and p not in ('local', 'ssh')) or '(top level)'}: {err['msg']}"
+            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if not str(p).startswith(('LocalSpec', 'SshSpec', 'BrowserSpec')) and p not in ('local', 'ssh', 'browser')) or '(top level)'}: {err['msg']}"
                                  for err in e.errors())
             raise TargetError(f"{found}: {problems}") from None
         if "local" in specs and specs["local"].kind != "local":
@@ -164,7 +174,8 @@ def get_target(name: str, path: str | os.PathLike | None = None) -> "Target":
         raise TargetError(f"unknown target {name!r}; known: {', '.join(sorted(specs))} "
                           f"({where or 'no targets file: ./targets.yaml, the user config dir or --targets-file'})")
     spec = specs[name]
-    return LocalTarget() if spec.kind == "local" else SshTarget(name, spec)
+    return {"local": lambda: LocalTarget(), "ssh": lambda: SshTarget(name, spec),
+            "browser": lambda: BrowserTarget(name, spec)}[spec.kind]()
 
 
 # ---- what a target is -----------------------------------------------------------------------------
@@ -205,6 +216,10 @@ class Target:
         """Whether the backend's run phase can execute on this target."""
         raise NotImplementedError
 
+    def available(self, backend) -> tuple[bool, str]:
+        """Whether this machine has what the backend's items need here (its packages, tools)."""
+        return backend.available()
+
     def describe(self) -> dict[str, Any]:
         """What a record says about where it ran: name, kind, OS, machine, Python, versions."""
         raise NotImplementedError
@@ -234,6 +249,20 @@ class LocalTarget(Target):
         if self._info is None:
             self._info = {"name": "local", "kind": "local", **probe()}
         return dict(self._info)
+
+
+class BrowserTarget(Target):
+    """A `kind: browser` target: a page the user opens on their own device runs the onnxruntime-web
+    items (harness.backends.web_device.DeviceTarget, which the session builds from this: the
+    plumbing imports no backend)."""
+
+    kind = "browser"
+
+    def __init__(self, name: str, spec) -> None:
+        self.name, self.spec = name, spec
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind}
 
 
 # ---- SSH ------------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -436,3 +439,118 @@ def test_each_web_runtime_an_artifact_may_name_is_a_registered_backend():
     from harness.options import WEB_RUNTIMES
 
     assert WEB_RUNTIMES and set(WEB_RUNTIMES) <= set(registry())
+
+
+# ---- a page on the user's own device (`kind: browser` targets) -----------------------------------
+
+def _device_target(session, tmp_path: Path, name: str, **spec) -> None:
+    """A targets file with one browser target on loopback, used by `session`."""
+    fields = ", ".join(f"{k}: {v}" for k, v in {"kind": "browser", **spec}.items())
+    (tmp_path / "targets.yaml").write_text(f"targets:\n  {name}: {{{fields}}}\n")
+    session.targets_file = str(tmp_path / "targets.yaml")
+
+
+def _printed_url(capsys, thread, seen: list[str]) -> str:
+    """The URL the waiting run prints (its line also kept in `seen`)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and thread.is_alive():
+        seen += capsys.readouterr().err.splitlines()
+        found = [m.group(1) for m in map(DEVICE_LINE.search, seen) if m]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no URL printed: {seen}")
+
+
+DEVICE_LINE = re.compile(r"^kokoro-parity: open (http://127\.0\.0\.1:\d+/\S+) on the device \(waiting up to 60 s\)$")
+PHONE_UA = "Mozilla/5.0 (Linux; Android 14; Pixel 8) kokoro-parity-test-phone"
+
+
+@pytest.mark.slow
+def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_names_it(tiny, user_onnx, tmp_path,
+                                                                                          capsys):
+    """As a phone would: a second headless Chromium (its own user agent) opens the printed URL once
+    and runs a step's item and a user's ONNX (`--artifact-runtime ort-web-wasm`) in turn; a WebGPU
+    item where that browser has no adapter, and a backend not onnxruntime-web's, are SKIPPED there."""
+    from playwright.sync_api import sync_playwright
+
+    from harness import pipeline
+    from harness.artifacts import ArtifactItem
+    from harness.backends.web_page import launch_chromium
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    _device_target(tiny, tmp_path, "phone", wait_s=60)
+    step = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
+    mine = ArtifactItem("tiny", "bert_encoder", str(user_onnx[0]), "dynamic", "ort-web-wasm", target="phone")
+    records, lines = [], []
+    gpu = Item("tiny", "bert_encoder", "ort-web-webgpu", "dynamic", target="phone")  # no WebGPU on this "phone"
+    runs = threading.Thread(target=lambda: records.extend([tiny.run(step), pipeline.check(tiny, mine), tiny.run(gpu)]))
+    start = time.monotonic()
+    runs.start()
+    try:
+        url = _printed_url(capsys, runs, lines)
+        with sync_playwright() as p:
+            phone = launch_chromium(p, webgpu=False)
+            page = phone.new_page(user_agent=PHONE_UA)
+            page.goto(url)
+            runs.join(timeout=120)
+            assert "3 run(s) done" in page.inner_text("body")
+            phone.close()
+        other = tiny.run(Item("tiny", "bert_encoder", "onnxruntime", "dynamic", target="phone"))
+    finally:
+        runs.join(timeout=120)
+        tiny._targets.pop("phone").close()
+    print(f"device items: {time.monotonic() - start:.1f} s", file=sys.stderr)
+    lines += capsys.readouterr().err.splitlines()
+    assert len([ln for ln in lines if DEVICE_LINE.search(ln)]) == 1, lines  # one page load, both items
+    assert [r.verdict for r in records] == [Verdict.PASS, Verdict.PASS, Verdict.SKIPPED], [r.reason for r in records]
+    assert records[1].item_id == "tiny-bert_encoder-artifact-mine_onnx@ort-web-wasm@phone-dynamic"
+    assert "the device's browser has no WebGPU" in records[2].reason, records[2].reason
+    assert records[2].target["device"]["user_agent"] == PHONE_UA
+    for rec in records[:2]:
+        assert rec.target["kind"] == "browser" and rec.target["device"]["user_agent"] == PHONE_UA
+        assert rec.audit["browser"]["user_agent"] == PHONE_UA and rec.audit["browser"]["device"] is True
+        assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0  # the page's own log, posted back
+    assert other.verdict is Verdict.SKIPPED and "onnxruntime-web items only" in other.reason, other.reason
+
+
+def test_a_device_page_nobody_opens_is_the_items_skip_never_a_pass(tiny, tmp_path, capsys, monkeypatch):
+    from harness.backends import web_device
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    monkeypatch.setattr(web_device, "PROGRESS_S", 0.5)
+    _device_target(tiny, tmp_path, "nobody", wait_s=2)
+    try:
+        rec = tiny.run(Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="nobody"))
+    finally:
+        tiny._targets.pop("nobody").close()
+    err = capsys.readouterr().err
+    assert rec.verdict is Verdict.SKIPPED and "no browser opened the URL within 2 s" in rec.reason, rec.reason
+    assert re.search(r"open http://127\.0\.0\.1:\d+/runner\.html\?device on the device \(waiting up to 2 s\)", err)
+    assert "kokoro-parity: waiting for a browser at http://127.0.0.1:" in err  # the progress line
+
+
+def test_a_browser_target_listens_on_loopback_unless_its_entry_names_an_address(tmp_path):
+    from harness.backends.web_device import DeviceTarget, listen_address
+    from harness.plumbing.targets import TargetError, get_target
+
+    path = tmp_path / "targets.yaml"
+    path.write_text("targets:\n  phone: {kind: browser}\n  lan: {kind: browser, listen: '0.0.0.0:8765', wait_s: 30}\n"
+                    "  bad: {kind: browser, listen: 'a b'}\n")
+    with pytest.raises(TargetError, match=r"targets.bad.listen: String should match pattern"):
+        get_target("phone", path)
+    path.write_text("targets:\n  phone: {kind: browser}\n  lan: {kind: browser, listen: '0.0.0.0:8765', wait_s: 30}\n")
+    phone, lan = (get_target(n, path) for n in ("phone", "lan"))
+    assert (phone.kind, phone.spec.wait_s, lan.spec.wait_s) == ("browser", 300, 30)
+    assert listen_address(phone.spec.listen) == ("127.0.0.1", 0) and listen_address(lan.spec.listen) == ("0.0.0.0", 8765)
+    assert listen_address("192.168.1.5") == ("192.168.1.5", 0)
+    device = DeviceTarget(phone.name, phone.spec)
+    try:
+        device.device.start()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/runner\.html\?device", device.device.url)
+        assert device.describe() == {"name": "phone", "kind": "browser"}
+        assert not device.runnable(get_backend("onnxruntime"))[0] and device.runnable(get_backend("ort-web-wasm"))[0]
+    finally:
+        device.close()
