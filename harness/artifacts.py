@@ -163,6 +163,8 @@ def _map_for_mode(session, traces, item: ArtifactItem, ports: list[Port]) -> lis
 def artifact_items(session, specs: list[str], modes, runtimes=(NATIVE,)) -> list[ArtifactItem]:
     """Items of `--artifact STEP=PATH`: per case, mode and runtime (`--artifact-runtime`) that runs it."""
     items = []
+    if not specs:
+        return items
     device = session.target if session.target_for(session.target).kind == "browser" else "local"
     for spec in specs:
         step, path = parse_spec(spec)

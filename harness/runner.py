@@ -477,7 +477,7 @@ class Session:
         if "transport_s" in result.extra:  # shipping, ssh and the remote Python's start, beyond the job itself
             rec.timings[f"{tag}transport_s"] = result.extra["transport_s"]
         rec.peak_rss_mb[f"{tag}run"] = result.peak_rss_mb
-        rec.target.update(result.extra.get("target") or {})  # a device's page: its user agent and adapter
+        rec.target.update(result.extra.get("device_target") or {})  # a device's page: its user agent and adapter
         if not result.ok:
             failed(rec, result, Verdict.RUN_ERROR)
             return None

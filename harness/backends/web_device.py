@@ -173,7 +173,7 @@ class DeviceTarget(BrowserTarget):
 
     def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False, preload=None) -> JobResult:
         """The job's function here, its browser runs on the device; the record's `target` gets the
-        device's user agent and adapter (`extra["target"]`)."""
+        device's user agent and adapter (`extra["device_target"]`)."""
         if function != RUN_FUNCTION or not takes(get_backend(kwargs["backend"])):
             raise TargetUnreachable(self.runnable(object())[1])
         module, _, name = function.partition(":")
@@ -189,13 +189,13 @@ class DeviceTarget(BrowserTarget):
             raise TargetUnreachable(str(e)) from None
         except TimeoutError as e:
             return JobResult("timeout", error=str(e), seconds=time.monotonic() - start,
-                             extra={"target": self.describe()})
+                             extra={"device_target": self.describe()})
         except Exception as e:  # noqa: BLE001 - the run's failure is the item's verdict
             return JobResult(getattr(e, "job_status", "error"), error=first_error_line(e),
                              traceback=traceback.format_exc(), seconds=time.monotonic() - start,
-                             extra={"target": self.describe()})
+                             extra={"device_target": self.describe()})
         return JobResult("ok", value=value, seconds=time.monotonic() - start,
-                         extra={"target": self.describe()})
+                         extra={"device_target": self.describe()})
 
     def close(self) -> None:
         self.device.close()

@@ -29,7 +29,7 @@ import onnx
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
 from ..record import OnnxStages, PortChain, PteEtdump, Unlocalized
-from .chain import stage_durations
+from .durations import found_durations
 from .noise import noise_inside
 from .onnx_stages import localize, stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
@@ -124,7 +124,7 @@ def localize_port_stage(session, item, port: Port, stage: StageSpec, path: Path,
     fed the reference's durations (harness.port.durations), so the modules after them are on the
     reference's frames, as the chain judged the stage."""
     traces = session.traces(item.case)
-    found = stage_durations(port, stage, run_dir / "durations")
+    found = found_durations(port, stage, run_dir / "durations")  # the chain read this graph already
     if found is not None:
         stage, path = found.forced, found.forced.file_for(port.root)
     roots = step_roots(ran["order"])
