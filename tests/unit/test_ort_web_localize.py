@@ -8,7 +8,6 @@ Skips as test_ort_web.py does without chromium, Playwright or web/node_modules (
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -17,19 +16,10 @@ import pytest
 
 from harness.backends.onnxruntime_web import BrowserRunner, BrowserSession, PageCrashed, default_drive
 from harness.backends.web_page import PageServer, launch_chromium
-from tests.unit.test_ort_web import _pinned, _problem
+from tests.unit.test_ort_web import _pinned, browser_runtime  # noqa: F401, F811 (its fixture)
 
 WASM = ("wasm", "ort.wasm.min.mjs")
 WASM_FILES = ["ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm", "ort.wasm.min.mjs"]
-
-
-@pytest.fixture(scope="module")
-def browser_runtime():
-    problem = _problem()
-    if problem:
-        if os.environ.get("CI"):
-            pytest.fail(problem)
-        pytest.skip(problem)
 
 
 def _scale_onnx(path: Path, factor: float) -> Path:
