@@ -192,21 +192,25 @@ def _chain_traces(model: LoadedModel, case: Case, synthesize: bool = True) -> Ca
     return CaseTraces(case.id, valid, Lengths(case.bucket.tokens, case.bucket.frames), pred_dur, chain)
 
 
+DTYPES = ("float32", "float64")
+
+
 def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step],
-                     modes: tuple[str, ...] = MODES) -> dict:
-    """The steps' references in `modes` and both dtypes, each forced from the chain's inputs. Its
+                     modes: tuple[str, ...] = MODES, dtypes: tuple[str, ...] = DTYPES) -> dict:
+    """The steps' references in `modes` and `dtypes`, each forced from the chain's inputs. Its
     progress: one phase per mode and dtype over many steps, one phase naming the step (and its
-    mode, when one) when it is one (a step's references computed on first read: the lines say
-    which, and each one's time is remembered under its own name)."""
+    mode and dtype, when one) when it is one (a step's references computed on first read: the lines
+    say which, and each one's time is remembered under its own name)."""
     io = {}
     one = steps[0].name if len(steps) == 1 else None
-    subject = f"{traces.case_id} {one}" + (f" {modes[0]}" if len(modes) == 1 else "")
+    subject = (f"{traces.case_id} {one}" + (f" {modes[0]}" if len(modes) == 1 else "")
+               + (f" {dtypes[0]}" if len(dtypes) == 1 else ""))
     whole = progress.phase("references", subject=subject) if one else contextlib.nullcontext()
     with whole as one_phase:
         for mode in modes:
             km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
-            km64 = to_float64(copy.deepcopy(km32))
-            for dtype, km in (("float32", km32), ("float64", km64)):
+            models = {"float32": km32, "float64": to_float64(copy.deepcopy(km32)) if "float64" in dtypes else None}
+            for dtype, km in ((d, models[d]) for d in dtypes):
                 each = (contextlib.nullcontext(one_phase) if one
                         else progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}"))
                 with each as shown:
@@ -222,7 +226,7 @@ def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step],
 
 
 class StepReferences(dict):
-    """`CaseTraces.io` of a cached case: each step's references in one mode computed (or read from
+    """`CaseTraces.io` of a cached case: each step's references in one mode and dtype computed (or read from
     the cache) the first time an item asks for them; a read of a value already here does no work
     and shows no progress. A run of one small step does not compute the float64 vocoder first
     (most of a first run's reference time: the first verdict waited on references it never read),
@@ -243,18 +247,21 @@ class StepReferences(dict):
     def __missing__(self, key):
         if not self._known(key):
             raise KeyError(key)
-        self.update(_cached_step_references(self._model, self._case, self._traces, get_step(key[0]), key[1]))
+        self.update(_cached_step_references(self._model, self._case, self._traces, get_step(key[0]), key[1],
+                                            key[2]))
         return dict.__getitem__(self, key)
 
     def get(self, key, default=None):
         return self[key] if key in self else default
 
 
-def _cached_step_references(model: LoadedModel, case: Case, traces: CaseTraces, step: Step, mode: str) -> dict:
-    key = content_key("traces-step", TRACE_VERSION, model.digest, case.digest, numerics(), step.name, mode)
+def _cached_step_references(model: LoadedModel, case: Case, traces: CaseTraces, step: Step, mode: str,
+                            dtype: str) -> dict:
+    """One dtype at a time: a float32 read (the golden check) never pays for the float64 run."""
+    key = content_key("traces-step", TRACE_VERSION, model.digest, case.digest, numerics(), step.name, mode, dtype)
 
     def build(tmp):
-        io = _step_references(model, traces, [step], (mode,))
+        io = _step_references(model, traces, [step], (mode,), (dtype,))
         atomic_write(tmp / "io.pt", lambda f: torch.save(io, f))
 
     entry, _hit = cache.get_or_build("traces", key, build)

@@ -141,22 +141,21 @@ def test_pytest_line_goes_after_pytests_text_and_gives_it_back():
 
 
 def test_a_step_s_references_show_a_phase_when_computed_and_none_when_read_again(cache, monkeypatch):
-    """`StepReferences`: the first read of a step in a mode computes its references in that mode
-    (both dtypes) under one phase naming the step; a second read (the same mode, either dtype)
-    finds them in memory and shows nothing; the other mode is computed when first read (a dynamic
-    item never pays for the padded static bucket); another process's traces read them from the
-    disk cache, showing nothing."""
+    """`StepReferences`: the first read of a step in a mode and dtype computes its references in
+    that mode and dtype under one phase naming the step; a second read finds them in memory and
+    shows nothing; the other dtype and mode are each computed when first read (a dynamic item never
+    pays for the padded static bucket, a float32 read for the float64 run); another process's
+    traces read them from the disk cache, showing nothing."""
     from types import SimpleNamespace
 
     from harness import reference
 
     computed = []
 
-    def fake_step_references(model, traces, steps, modes):
-        computed.append((steps[0].name, *modes))
+    def fake_step_references(model, traces, steps, modes, dtypes):
+        computed.append((steps[0].name, *modes, *dtypes))
         with progress.phase("references", subject=f"{traces.case_id} {steps[0].name}"):
-            return {(steps[0].name, mode, dtype): ({}, {"x": torch.zeros(1)})
-                    for mode in modes for dtype in ("float32", "float64")}
+            return {(steps[0].name, mode, dtype): ({}, {"x": torch.zeros(1)}) for mode in modes for dtype in dtypes}
 
     monkeypatch.setattr(reference, "_step_references", fake_step_references)
     model, case = SimpleNamespace(digest="m" * 8), SimpleNamespace(id="tiny", digest="c" * 8)
@@ -167,19 +166,20 @@ def test_a_step_s_references_show_a_phase_when_computed_and_none_when_read_again
         assert ("decoder", "dynamic", "float32") in refs
         refs[("decoder", "dynamic", "float32")]
         first = list(lines)
-        refs[("decoder", "dynamic", "float64")]
+        refs[("decoder", "dynamic", "float32")]
         second = lines[len(first):]
-        assert computed == [("decoder", "dynamic")]
+        assert computed == [("decoder", "dynamic", "float32")]
+        refs[("decoder", "dynamic", "float64")]
         assert refs.get(("decoder", "static", "float32")) is not None
-        assert computed == [("decoder", "dynamic"), ("decoder", "static")] and len(lines) == len(first) + 2
-        refs[("decoder", "static", "float64")]
+        assert computed == [("decoder", "dynamic", "float32"), ("decoder", "dynamic", "float64"),
+                            ("decoder", "static", "float32")] and len(lines) == len(first) + 4
         again = reference.StepReferences(model, case, traces)  # a new process's: the disk cache
         again[("decoder", "dynamic", "float64")]
         again[("decoder", "static", "float32")]
-        third = lines[len(first) + 2:]
+        third = lines[len(first) + 4:]
     assert first == ["kokoro-parity: references tiny decoder ...",
                      first[1]] and first[1].startswith("kokoro-parity: references tiny decoder: done in"), first
-    assert second == [] and third == [] and len(computed) == 2
+    assert second == [] and third == [] and len(computed) == 3
 
 
 # ---- through pytest ---------------------------------------------------------------------------
@@ -212,8 +212,9 @@ def test_a_first_run_shows_its_phases_in_a_log_and_quiet_shows_none(tmp_path):
     assert "1 passed" in out
     verdict = re.search(r"^tiny-bert_encoder-eager-dynamic: PASS rel \S+ \(\S+x floor\)$", out, re.M)
     assert verdict and verdict.start() < out.index("kokoro-parity summary"), out[-4000:]  # as the item ended
-    # the one step's references were computed, not every step's (the float64 vocoder of both modes)
-    assert len(list((tmp_path / "cache" / "traces").glob("*/io.pt"))) == 1
+    # the one step's references (its mode's two dtypes) were computed, not every step's (the float64
+    # vocoder of both modes)
+    assert len(list((tmp_path / "cache" / "traces").glob("*/io.pt"))) == 2
 
     again = run_pytest(tmp_path, reports="again")  # warm: no export, no lowering to show
     assert "kokoro-parity: running tiny-bert_encoder-eager-dynamic (last" in again
