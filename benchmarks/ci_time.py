@@ -9,12 +9,14 @@ missing or partial file is said as such, never filled in.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "reports" / "junit" / "unit-tests.xml"
+DURATIONS = ROOT / "tests" / "unit" / "durations.json"
 TARGET_S = 20 * 60
 
 
@@ -59,15 +61,43 @@ def report(suite: dict, path: Path, top: int) -> str:
     return "\n".join(lines)
 
 
+def module_seconds(suite: dict) -> dict[str, float]:
+    """Each test module's seconds (its tests' setup, call and teardown), the heaviest first."""
+    seconds: dict[str, float] = {}
+    for s, name, _outcome in suite["tests"]:
+        module = Path(name.split("::")[0]).name
+        seconds[module] = seconds.get(module, 0.0) + s
+    return dict(sorted(((m, round(s, 1)) for m, s in seconds.items()), key=lambda kv: -kv[1]))
+
+
+def write_durations(suite: dict, path: Path) -> None:
+    """The file tests/unit/conftest.py orders xdist's queue by (`--write-durations`)."""
+    data = {"about": f"seconds per test module, `make test` started {suite['timestamp']} on {suite['hostname']}; "
+                     "`python benchmarks/ci_time.py --write-durations` rewrites it",
+            "modules": module_seconds(suite)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--junit", type=Path, default=DEFAULT, help="the JUnit XML of a `make test` run")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--write-durations", type=Path, nargs="?", const=DURATIONS, default=None, metavar="FILE",
+                    help=f"write each module's seconds for the suite's xdist order (default {DURATIONS.relative_to(ROOT)})")
     args = ap.parse_args(argv)
     if not args.junit.is_file():
         print(f"unit suite: no measurement ({args.junit} is missing; `make test` writes it)")
         return 0
-    print(report(read_suite(args.junit), args.junit, args.top))
+    suite = read_suite(args.junit)
+    if args.write_durations:
+        if suite["counts"]["failed"] or len(suite["tests"]) < 100:
+            raise SystemExit(f"{args.junit}: a partial or failing run ({suite['counts']}): not written")
+        write_durations(suite, args.write_durations)
+        print(f"wrote {args.write_durations}")
+        return 0
+    print(report(suite, args.junit, args.top))
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -68,17 +69,37 @@ def shared_references(cache, work: bool = False) -> Path:
     return cache
 
 
+DURATIONS = Path(HERE) / "durations.json"  # seconds per module, measured (benchmarks/ci_time.py --write-durations)
+
+
+def module_seconds(items) -> dict:
+    """Each module's measured seconds; a module not measured yet: 30 s per `slow` test, 0.5 s per other."""
+    measured = json.loads(DURATIONS.read_text())["modules"] if DURATIONS.is_file() else {}
+    tests, slow = {}, {}
+    for it in items:
+        tests[it.path] = tests.get(it.path, 0) + 1
+        slow[it.path] = slow.get(it.path, 0) + (it.get_closest_marker("slow") is not None)
+    return {path: measured.get(path.name, 30.0 * slow[path] + 0.5 * (tests[path] - slow[path])) for path in tests}
+
+
 def pytest_collection_modifyitems(config, items):
-    """The modules with the most `slow` tests first, each module kept whole (its module-scoped
-    sessions are built once): under `--dist worksteal` the long tests start at once and the idle
-    worker steals the short ones from the queue's end, so neither core waits out the last minutes."""
+    """xdist's queue in two halves of about equal measured seconds, each module whole (its
+    module-scoped sessions are built once) and the heaviest modules first in each half.
+    `--dist worksteal` hands each worker one half of the queue by count; the half with more tests
+    goes first, so what spills over is its lightest modules, at the other worker's start; an idle
+    worker steals from the end of the other's queue, where the light modules are. Neither core waits
+    out a long test that started late (ordered by the count of `slow` tests, the last one of a
+    module measured at 110 s ran alone at the end: docs/performance.md)."""
     if not items or not all(str(it.path).startswith(HERE + os.sep) for it in items):
         return  # beside other directories' items (the parity items sort themselves): leave the order
-    slow, first = {}, {}
-    for i, it in enumerate(items):
-        first.setdefault(it.path, i)
-        slow[it.path] = slow.get(it.path, 0) + (it.get_closest_marker("slow") is not None)
-    items.sort(key=lambda it: (-slow[it.path], first[it.path]))
+    seconds = module_seconds(items)
+    bins = ([], [])
+    for path in sorted(seconds, key=lambda p: (-seconds[p], str(p))):  # longest first, into the lighter half
+        min(bins, key=lambda b: sum(seconds[p] for p in b)).append(path)
+    count = {path: sum(it.path == path for it in items) for path in seconds}
+    bins = sorted(bins, key=lambda b: -sum(count[p] for p in b))
+    rank = {path: i for i, path in enumerate(p for b in bins for p in b)}
+    items.sort(key=lambda it: rank[it.path])  # stable: a module's tests keep their order
 
 
 TEST_SEED = 0  # the seed of every Session of the tests (`--weights=random:0`)

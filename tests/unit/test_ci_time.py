@@ -37,3 +37,31 @@ def test_no_xml_is_no_figure(tmp_path, capsys):
     assert ci_time().main(["--junit", str(tmp_path / "none.xml")]) == 0
     out = capsys.readouterr().out
     assert "no measurement" in out and "s (" not in out
+
+
+def test_module_seconds_are_written_for_the_suites_order_and_a_failing_run_is_refused(tmp_path):
+    """`--write-durations`: each module's seconds, the heaviest first, for tests/unit/conftest.py's
+    xdist order; a failing (or partial) run's seconds are not written."""
+    import json
+
+    import pytest
+
+    module = ci_time()
+    (tmp_path / "failing.xml").write_text(XML)
+    with pytest.raises(SystemExit, match="partial or failing run"):
+        module.main(["--junit", str(tmp_path / "failing.xml"), "--write-durations", str(tmp_path / "d.json")])
+    assert not (tmp_path / "d.json").exists()
+    suite = module.read_suite(tmp_path / "failing.xml")
+    module.write_durations(suite, tmp_path / "d.json")
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert list(data["modules"].items()) == [("test_a.py", 300.2), ("test_b.py", 12.0)]
+    assert "2026-11-27T06:12:00+00:00 on ci" in data["about"]
+
+
+def test_the_committed_durations_name_modules_that_exist():
+    """A renamed module would fall back to an estimate: the committed file is kept current."""
+    import json
+
+    data = json.loads((ROOT / "tests" / "unit" / "durations.json").read_text())
+    missing = [m for m in data["modules"] if not (ROOT / "tests" / "unit" / m).is_file()]
+    assert not missing, f"tests/unit/durations.json names modules that are gone: {missing}"
