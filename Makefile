@@ -7,10 +7,12 @@ ARGS   ?=
 
 .PHONY: install parity matrix test heavy-tests bench bench-bisect profile clean-cache nightly dashboard upstream lint
 
+# --no-compile: pip byte-compiles every module of torch, executorch, tvm, ... at install (most of
+# the install's time); Python compiles the few hundred a run imports on first use instead.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[all]"
+	$(BIN)/pip install -q --no-compile -e ".[all]"
 	touch $(STAMP)
 
 # onnxruntime-web for the ort-web-* backends (web/package-lock.json pins it; npm's registry only);
