@@ -657,3 +657,55 @@ def test_a_device_page_that_stays_open_and_never_answers_is_the_items_timeout(ti
     (rec,) = records
     assert rec.verdict is Verdict.TIMEOUT and "the device's page gave no answer after 4 s" in rec.reason, rec.reason
     assert rec.target["device"]["user_agent"] == PHONE_UA
+
+
+def test_a_device_page_busy_in_a_long_synchronous_run_is_still_there_and_a_closed_one_is_gone(browser_runtime):
+    """The page's main thread blocked (as in a long synchronous WebAssembly run) keeps its /alive
+    connection: no crash read; the page closed drops it within seconds; the server's stream
+    handlers end when it closes."""
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_device import GONE_S, Device
+    from harness.backends.web_page import launch_chromium
+
+    device = Device("127.0.0.1", 0, wait_s=30)
+    device.start()
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p, webgpu=False)
+            page = browser.new_page()
+            page.goto(device.url)
+            page.wait_for_function("() => document.body.textContent.includes('waiting for runs')")
+            deadline = time.monotonic() + 10
+            while not device._open and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (page_id,) = device._open
+            watched, stop = [], threading.Event()
+
+            def watch():
+                while not stop.is_set():
+                    watched.append(device._gone(page_id) or not device._open[page_id])
+                    time.sleep(0.1)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            page.evaluate(f"() => {{ const end = Date.now() + {(GONE_S + 2) * 1000}; while (Date.now() < end) {{}} }}")
+            stop.set()
+            watcher.join()
+            assert watched and not any(watched), "a busy page read as gone"
+            streams = list(device.server._streaming)
+            page.close()
+            closed = time.monotonic()
+            while not device._gone(page_id) and time.monotonic() < closed + 10:
+                time.sleep(0.05)
+            assert device._gone(page_id) and time.monotonic() - closed < GONE_S + 2
+            page = browser.new_page()  # a page held open while the server closes
+            page.goto(device.url)
+            while len(device.server._streaming) < 1 and time.monotonic() < closed + 20:
+                time.sleep(0.05)
+            streams += list(device.server._streaming)
+            device.close()
+            assert len(streams) == 2 and not [t for t in streams if t.is_alive()], "a stream's handler outlived its server"
+            browser.close()
+    finally:
+        device.close()
