@@ -100,6 +100,10 @@ window.kokoroReady = true;
 // Device mode (runner.html?device), on the user's own phone or laptop: no harness drives this page,
 // so it asks the server for the next run (/next), runs it and posts its answer (/answer/ID) with
 // the device's user agent, adapter and onnxruntime's placement lines, until the tab is closed.
+// It posts its user agent and adapter (/about/ID) once, and holds an event stream (/alive?page=ID)
+// for as long as it is open: a tab closed or crashed mid-run closes that connection, and the
+// harness reads the run as CRASHED in seconds instead of waiting for the run limit (the browser,
+// not this script, holds the connection, so a long synchronous run does not drop it).
 const KEPT_LOG = /\[[WEF]:onnxruntime|Node placements|placed on \[|VerifyEachNodeIsAssignedToAnEp\]\s{3}|kernel not found in registries/;
 
 function keepConsole() {
@@ -119,14 +123,30 @@ function show(text) {
   document.body.textContent = text;
 }
 
+// The page's event stream, open before it takes a run (or given up on after 5 s: its runs then
+// have only the run limit).
+function holdAlive(page) {
+  return new Promise((resolve) => {
+    const alive = new EventSource(`/alive?page=${page}`);
+    alive.addEventListener("open", () => resolve(alive), { once: true });
+    setTimeout(() => resolve(alive), 5000);
+  });
+}
+
 async function deviceLoop() {
   const kept = keepConsole();
+  // not crypto.randomUUID: a page on a LAN address over http is not a secure context
+  const page = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
   let done = 0;
   show("kokoro-parity: waiting for runs");
+  window.kokoroAlive = await holdAlive(page);
+  // who this page is, for a run it takes and never answers (a crash, a hang)
+  const about = { user_agent: navigator.userAgent, adapter: await adapterInfo() };
+  await fetch(`/about/${page}`, { method: "POST", body: JSON.stringify(about) }).catch(() => {});
   for (;;) {
     let job = {};
     try {
-      job = await (await fetch("/next", { cache: "no-store" })).json();
+      job = await (await fetch(`/next?page=${page}`, { cache: "no-store" })).json();
     } catch (e) {
       show(`kokoro-parity: ${done} run(s) done; the harness is not answering (${e.message})`);
     }

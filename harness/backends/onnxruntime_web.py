@@ -303,7 +303,8 @@ def stage_job(server: PageServer, model: Path, feed: dict, execution_provider: s
     server.files = {**page_files(), "/model.onnx": Path(model),
                     **{f"/external/{i}": f for i, f in enumerate(side.values())}}
     server.blobs = {f"/input/{i}": a.tobytes() for i, a in enumerate(arrays.values())}
-    server.posted.clear()
+    for path in [p for p in list(server.posted) if not p.startswith("/about/")]:  # a device page's description stays
+        server.posted.pop(path, None)
     del server.requests[:]
     return {"bundle": bundle, "ep": execution_provider, "threads": THREADS, "verbose": True, "inputs": specs,
             "external": [{"path": loc, "url": f"/external/{i}"} for i, loc in enumerate(side)], "outputs": outputs}

@@ -8,9 +8,15 @@ each run it is given and posts the outputs' bytes and its answer back, so one pa
 every item of the session. The server listens on loopback unless the targets file names another
 address, and serves only the harness's own files of the run under way.
 
-The run job runs in this process (the browser is the isolation: its crash or hang is the item's
-RUN_ERROR or TIMEOUT); a page that never comes, or a WebGPU item where the device's browser has
-no adapter, is the item's SKIPPED, never a pass.
+The run job runs in this process; the browser is the isolation. The page holds an event stream
+(`/alive`) open for as long as it is there: when the page that took a run goes away before
+answering (the tab closed, the browser's renderer crashed or was killed out of memory), its
+connection closes and the item is CRASHED within seconds; a page that stays but never answers is
+the item's TIMEOUT at the run limit (a long synchronous WebAssembly run keeps the connection: the
+browser, not the page's script, holds it); an error in the page, a lost WebGPU device included,
+is its RUN_ERROR with the browser's message. The next item waits for a page again (the URL is
+printed again). A page that never comes, or a WebGPU item where the device's browser has no
+adapter, is the item's SKIPPED, never a pass.
 """
 from __future__ import annotations
 
@@ -26,14 +32,15 @@ from .. import progress
 from ..plumbing.jobs import JobResult, first_error_line
 from ..plumbing.targets import BrowserTarget, TargetUnreachable
 from . import get_backend
-from .onnxruntime_web import (NPM_PACKAGE, OrtWebBackend, on_device, page_files, read_outputs, run_audit, stage_job,
-                              web_dir)
+from .onnxruntime_web import (NPM_PACKAGE, OrtWebBackend, PageCrashed, on_device, page_files, read_outputs,
+                              run_audit, stage_job, web_dir)
 from .web_page import LOOPBACK, PageServer
 
 RUN_FUNCTION = "harness.backends:run_artifact_job"  # the only job a device takes: an ort-web-* run
 PROGRESS_S = 10  # a progress line this often while no browser has come
 SEEN_S = 3  # a page that polled this recently is there: no need to print the URL again
 PAGE = "/runner.html?device"
+GONE_S = 2.0  # a page whose connection is gone this long (no EventSource reconnect) went away
 
 
 def listen_address(listen: str | None) -> tuple[str, int]:
@@ -51,6 +58,10 @@ class DeviceSkip(Exception):
     """The device cannot take the run (no browser opened the URL, no WebGPU there): the item's SKIPPED."""
 
 
+class PageGone(PageCrashed):
+    """The page that took a run went away before answering (tab closed, renderer crashed): CRASHED."""
+
+
 def takes(backend) -> bool:
     """Whether a device's page can run `backend`'s items: onnxruntime-web's, a step's or a user's ONNX."""
     return isinstance(backend, OrtWebBackend) or str(getattr(backend, "runtime", "")).startswith("ort-web-")
@@ -62,14 +73,17 @@ class Device:
     def __init__(self, host: str, port: int, wait_s: float) -> None:
         self.wait_s = wait_s
         self.server = PageServer(files=page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"},
-                                 routes={"/next": self._next}, host=host, port=port)
+                                 routes={"/next": self._next}, streams={"/alive": self._alive}, host=host, port=port)
         self._lock = threading.Lock()
         self._pending: dict | None = None  # the run no page has taken yet
         self._taken = threading.Event()
         self._came = threading.Event()  # a page polled
         self._polled = 0.0  # when a page last asked for a run (monotonic)
         self._ids = itertools.count(1)
-        self.seen: dict = {}  # the user agent and adapter of the page that answered last
+        self._open: dict[str, int] = {}  # page id -> its /alive connections open now
+        self._left: dict[str, float] = {}  # page id -> when its last /alive connection closed (monotonic)
+        self._taker: str | None = None  # the page that took the run under way
+        self.seen: dict = {}  # the user agent and adapter of the page that took the last run
         self._started = False
         self.run_s = 3600.0  # how long a taken run may take (the job's time limit)
 
@@ -87,16 +101,36 @@ class Device:
             self.server.__exit__(None, None, None)
             self._started = False
 
-    def _next(self) -> bytes:
-        """GET /next: the run no page has taken yet (taken by this request), or {}."""
+    def _next(self, query: dict) -> bytes:
+        """GET /next?page=ID: the run no page has taken yet (taken by this request), or {}."""
         with self._lock:
             self._polled = time.monotonic()
             self._came.set()
             job, self._pending = self._pending, None
+            if job is not None:
+                self._taker = query.get("page")
         if job is None:
             return b"{}"
         self._taken.set()
         return json.dumps(job).encode()
+
+    def _alive(self, query: dict, opened: bool) -> None:
+        """GET /alive?page=ID, the page's event stream: opened, or its connection gone."""
+        page = query.get("page")
+        if not page:
+            return
+        with self._lock:
+            self._open[page] = self._open.get(page, 0) + (1 if opened else -1)
+            if not self._open[page]:
+                self._left[page] = time.monotonic()
+
+    def _gone(self, page: str | None) -> bool:
+        """Whether `page` held /alive and has held no connection for GONE_S (an EventSource that
+        lost its connection reconnects sooner). A page never seen on /alive is never gone: its
+        hang is the run limit's."""
+        with self._lock:
+            return (page is not None and page in self._open and not self._open[page]
+                    and time.monotonic() - self._left[page] > GONE_S)
 
     def run(self, model: Path, feed: dict, execution_provider: str, bundle: str) -> tuple:
         """`run_in_browser`'s run on the device: ({output name: array}, the audit of where it ran)."""
@@ -114,8 +148,17 @@ class Device:
                 self._pending = None
             if not self._taken.is_set():  # else taken in the last instant
                 raise
-        deadline = time.monotonic() + timeout
+        taken = time.monotonic()
+        deadline = taken + timeout
+        about = self.server.posted.get(f"/about/{self._taker}")  # the page's user agent and adapter, posted on load
+        if about:
+            said = json.loads(about)
+            self.seen = {"user_agent": said.get("user_agent"), "webgpu_adapter": said.get("adapter")}
         while f"/answer/{job_id}" not in self.server.posted:
+            if self._gone(self._taker):
+                self._polled = 0.0  # no page there now: the next run prints the URL again
+                raise PageGone(f"the device's page went away during the run (tab closed or crashed) after "
+                               f"{time.monotonic() - taken:.0f} s")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the device's page gave no answer after {timeout:.0f} s")
             time.sleep(0.05)

@@ -11,11 +11,14 @@ same server, on another address only when its targets.yaml entry says so.
 """
 from __future__ import annotations
 
+import select
 import shutil
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own browser downloads are never used
 # What every run's browser starts with: no network of its own, no first-run work, no sandbox (the
@@ -30,31 +33,45 @@ WASM_FLAGS = ["--disable-gpu"]
 TYPES = {".html": "text/html", ".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
          ".json": "application/json", ".onnx": "application/octet-stream", ".map": "application/json"}
 CHUNK = 1 << 20
+BEAT_S = 1.0  # an event stream's comment this often: a page that went away is seen within it
+RETRY_MS = 500  # how soon a page's EventSource reconnects after a lost connection
 
 
-POSTED = ("/output/", "/answer/")  # what a page may POST: outputs' bytes, a device page's answer
+# what a page may POST: outputs' bytes, a device page's answer and its description (user agent, adapter)
+POSTED = ("/output/", "/answer/", "/about/")
 LOOPBACK = "127.0.0.1"
 
 
 class PageServer:
     """Serves `files` (URL path -> file), `trees` (URL prefix -> directory), `blobs` (URL path ->
-    bytes) and `routes` (URL path -> a function giving the bytes at each request) on `host`
-    (loopback unless a caller names another address) and keeps what the page POSTs under
-    `/output/` and `/answer/` in `posted` (path -> bytes). A context manager: the server runs in a
-    thread while the `with` block lasts."""
+    bytes), `routes` (URL path -> a function of the request's query ({name: value}) giving the
+    bytes at each request) and `streams` (URL path -> a function told (query, True) when a page
+    opens that event stream and (query, False) when the connection is gone) on `host` (loopback
+    unless a caller names another address) and keeps what the page POSTs under `/output/`,
+    `/answer/` and `/about/` in `posted` (path -> bytes). A context manager: the server runs in a
+    thread while the `with` block lasts; its streams' handlers end with it.
+
+    An event stream (text/event-stream, a page's `EventSource`) gets a comment every BEAT_S for as
+    long as the page holds it: a closed or crashed tab closes its connection, which the server
+    sees at once (the socket reads as closed) or at the next comment (the write fails); a page
+    busy in a long synchronous run does not (the browser's network stack holds the connection)."""
 
     def __init__(self, files: dict[str, Path] | None = None, trees: dict[str, Path] | None = None,
                  blobs: dict[str, bytes] | None = None, routes: dict | None = None,
-                 host: str = LOOPBACK, port: int = 0) -> None:
+                 streams: dict | None = None, host: str = LOOPBACK, port: int = 0) -> None:
         self.files = {k: Path(v) for k, v in (files or {}).items()}
         self.trees = {k.rstrip("/") + "/": Path(v) for k, v in (trees or {}).items()}
         self.blobs = dict(blobs or {})
         self.routes = dict(routes or {})
+        self.streams = dict(streams or {})
         self.host, self.port = host, port
         self.posted: dict[str, bytes] = {}
         self.requests: list[str] = []  # "GET /path 200", in order: what the page asked for
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()  # the streams' handlers end when set
+        self._streaming: set[threading.Thread] = set()  # handler threads holding a stream open
+        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -64,6 +81,7 @@ class PageServer:
         return f"http://{host}:{port}"
 
     def __enter__(self) -> "PageServer":
+        self._closing.clear()
         self._server = ThreadingHTTPServer((self.host, self.port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="page-server", daemon=True)
@@ -71,15 +89,21 @@ class PageServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()  # every stream's handler ends within BEAT_S
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+        deadline = time.monotonic() + 2 * BEAT_S + 1
+        with self._lock:
+            streaming = list(self._streaming)
+        for thread in streaming:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def resolve(self, path: str) -> Path | bytes | None:
         """What a GET of `path` serves: a file, bytes, or None (404). A tree never serves outside itself."""
-        path = path.split("?", 1)[0]
+        path, _, query = path.partition("?")
         if path in self.routes:
-            return self.routes[path]()
+            return self.routes[path](dict(parse_qsl(query)))
         if path in self.blobs:
             return self.blobs[path]
         if path in self.files:
@@ -95,6 +119,10 @@ class PageServer:
 def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path, _, query = self.path.partition("?")
+            if path in server.streams:
+                self.stream(server.streams[path], dict(parse_qsl(query)))
+                return
             what = server.resolve(self.path)
             server.requests.append(f"GET {self.path} {200 if what is not None else 404}")
             if what is None:
@@ -107,11 +135,14 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(size))
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
-            if isinstance(what, bytes):
-                self.wfile.write(what)
-            else:
-                with open(what, "rb") as f:
-                    shutil.copyfileobj(f, self.wfile, CHUNK)
+            try:
+                if isinstance(what, bytes):
+                    self.wfile.write(what)
+                else:
+                    with open(what, "rb") as f:
+                        shutil.copyfileobj(f, self.wfile, CHUNK)
+            except ConnectionError:  # the page went away mid-file (a closed tab): its run's verdict says so
+                self.close_connection = True
 
         def do_POST(self) -> None:  # noqa: N802
             if not self.path.startswith(POSTED):
@@ -123,6 +154,32 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()
+
+        def stream(self, told, query: dict) -> None:
+            """An event stream held open until the page goes or the server closes; `told` hears both ends."""
+            server.requests.append(f"GET {self.path} 200")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            me = threading.current_thread()
+            with server._lock:
+                server._streaming.add(me)
+            told(query, True)
+            try:
+                self.wfile.write(f"retry: {RETRY_MS}\n\n".encode())
+                while not server._closing.is_set():
+                    readable, _, _ = select.select([self.connection], [], [], BEAT_S)
+                    if readable and not self.connection.recv(1024):  # the page closed its end (EOF)
+                        break
+                    self.wfile.write(b": alive\n\n")  # fails once the page's end is gone
+            except OSError:  # reset or broken pipe: the page is gone
+                pass
+            finally:
+                told(query, False)
+                with server._lock:
+                    server._streaming.discard(me)
+                self.close_connection = True
 
         def log_message(self, *args) -> None:  # the run's log keeps the page's console, not every GET
             pass

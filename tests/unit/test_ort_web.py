@@ -554,3 +554,158 @@ def test_a_browser_target_listens_on_loopback_unless_its_entry_names_an_address(
         assert not device.runnable(get_backend("onnxruntime"))[0] and device.runnable(get_backend("ort-web-wasm"))[0]
     finally:
         device.close()
+
+
+def _stuck_page(browser, url: str):
+    """A page at `url` (the phone's user agent) whose run never gets its model: it takes the next
+    run and hangs inside it, deterministically (the fetch of /model.onnx is never answered)."""
+    page = browser.new_page(user_agent=PHONE_UA)
+    asked: list[str] = []
+    page.route("**/model.onnx*", lambda route: asked.append(route.request.url))  # never fulfilled
+    page.goto(url)
+    deadline = time.monotonic() + 60
+    while not asked:
+        assert time.monotonic() < deadline, "the page never fetched the model"
+        page.wait_for_timeout(100)
+    return page
+
+
+@pytest.mark.slow
+def test_a_device_page_closed_mid_run_is_that_items_crash_within_seconds_and_a_new_page_passes_the_next(
+        tiny, tmp_path, capsys):
+    """The tab closed (or its renderer gone) while it runs: CRASHED in seconds, not TIMEOUT at the
+    run limit; the next item waits for a page again (the URL printed again) and passes in a new one.
+    The server's stream handlers end with it."""
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_page import launch_chromium
+    from harness.runner import Item, Limits
+    from harness.verdict import Verdict
+
+    _device_target(tiny, tmp_path, "phone", wait_s=60)
+    item = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
+    records, lines = [], []
+    runs = threading.Thread(target=lambda: [records.append(tiny.run(item)) for _ in range(2)])
+    limits, tiny.limits = tiny.limits, Limits(run_s=120)
+    start = time.monotonic()
+    runs.start()
+    try:
+        url = _printed_url(capsys, runs, lines)
+        waited = time.monotonic() - start  # the item's compile (its ONNX export) when it is the first
+        with sync_playwright() as p:
+            phone = launch_chromium(p, webgpu=False)
+            _stuck_page(phone, url).close()
+            closed = time.monotonic()
+            while not records and time.monotonic() < closed + 60:
+                time.sleep(0.05)
+            crash_s = time.monotonic() - closed
+            while len([ln for ln in lines if DEVICE_LINE.search(ln)]) < 2 and time.monotonic() < closed + 70:
+                lines += capsys.readouterr().err.splitlines()  # the URL again, for a new page
+                time.sleep(0.05)
+            page = phone.new_page(user_agent=PHONE_UA)
+            page.goto(url)
+            runs.join(timeout=120)
+            server = tiny._targets["phone"].device.server
+            streams = list(server._streaming)  # the open page's /alive
+            tiny._targets.pop("phone").close()
+            assert streams and not [t for t in streams if t.is_alive()], "a stream's handler outlived its server"
+            phone.close()
+    finally:
+        tiny.limits = limits
+        runs.join(timeout=120)
+        if "phone" in tiny._targets:
+            tiny._targets.pop("phone").close()
+    print(f"URL after {waited:.1f} s; crash seen {crash_s:.1f} s after the tab closed; "
+          f"{time.monotonic() - start:.1f} s in all", file=sys.stderr)
+    assert len([ln for ln in lines if DEVICE_LINE.search(ln)]) == 2, lines
+    crashed, after = records
+    assert crashed.verdict is Verdict.CRASHED, crashed.reason
+    assert re.search(r"the device's page went away during the run \(tab closed or crashed\) after \d+ s",
+                     crashed.reason), crashed.reason
+    assert crash_s < 10, crash_s  # GONE_S after the close, not the run limit's 120 s
+    assert crashed.target["device"]["user_agent"] == PHONE_UA  # the page that took the run, posted on its load
+    assert after.verdict is Verdict.PASS, after.reason
+    assert after.target["device"]["user_agent"] == PHONE_UA
+
+
+@pytest.mark.slow
+def test_a_device_page_that_stays_open_and_never_answers_is_the_items_timeout(tiny, tmp_path, capsys):
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_page import launch_chromium
+    from harness.runner import Item, Limits
+    from harness.verdict import Verdict
+
+    _device_target(tiny, tmp_path, "phone", wait_s=60)
+    records, lines = [], []
+    runs = threading.Thread(target=lambda: records.append(
+        tiny.run(Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone"))))
+    limits, tiny.limits = tiny.limits, Limits(run_s=4)
+    runs.start()
+    try:
+        url = _printed_url(capsys, runs, lines)
+        with sync_playwright() as p:
+            phone = launch_chromium(p, webgpu=False)
+            page = _stuck_page(phone, url)
+            while runs.is_alive():
+                page.wait_for_timeout(200)  # the page stays open (and its connection with it)
+            phone.close()
+    finally:
+        tiny.limits = limits
+        runs.join(timeout=60)
+        tiny._targets.pop("phone").close()
+    (rec,) = records
+    assert rec.verdict is Verdict.TIMEOUT and "the device's page gave no answer after 4 s" in rec.reason, rec.reason
+    assert rec.target["device"]["user_agent"] == PHONE_UA
+
+
+def test_a_device_page_busy_in_a_long_synchronous_run_is_still_there_and_a_closed_one_is_gone(browser_runtime):
+    """The page's main thread blocked (as in a long synchronous WebAssembly run) keeps its /alive
+    connection: no crash read; the page closed drops it within seconds; the server's stream
+    handlers end when it closes."""
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_device import GONE_S, Device
+    from harness.backends.web_page import launch_chromium
+
+    device = Device("127.0.0.1", 0, wait_s=30)
+    device.start()
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p, webgpu=False)
+            page = browser.new_page()
+            page.goto(device.url)
+            page.wait_for_function("() => document.body.textContent.includes('waiting for runs')")
+            deadline = time.monotonic() + 10
+            while not device._open and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (page_id,) = device._open
+            watched, stop = [], threading.Event()
+
+            def watch():
+                while not stop.is_set():
+                    watched.append(device._gone(page_id) or not device._open[page_id])
+                    time.sleep(0.1)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            page.evaluate(f"() => {{ const end = Date.now() + {(GONE_S + 2) * 1000}; while (Date.now() < end) {{}} }}")
+            stop.set()
+            watcher.join()
+            assert watched and not any(watched), "a busy page read as gone"
+            streams = list(device.server._streaming)
+            page.close()
+            closed = time.monotonic()
+            while not device._gone(page_id) and time.monotonic() < closed + 10:
+                time.sleep(0.05)
+            assert device._gone(page_id) and time.monotonic() - closed < GONE_S + 2
+            page = browser.new_page()  # a page held open while the server closes
+            page.goto(device.url)
+            while len(device.server._streaming) < 1 and time.monotonic() < closed + 20:
+                time.sleep(0.05)
+            streams += list(device.server._streaming)
+            device.close()
+            assert len(streams) == 2 and not [t for t in streams if t.is_alive()], "a stream's handler outlived its server"
+            browser.close()
+    finally:
+        device.close()
