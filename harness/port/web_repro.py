@@ -8,6 +8,7 @@ copied: no CDN), run `stage.onnx` on `inputs/N.bin` (raw little-endian bytes, de
 `inputs.json`: a browser cannot read .npz) with the provider that judged the item, and compare
 its output with `expected.bin` (float64) as repro.py does: rel L2 against the tolerance,
 "reproduced" or "fixed", printed on the page and its console and set as `window.reproVerdict`.
+`repro.mjs` does the same in Node.js on onnxruntime-web's WebAssembly build (`node repro.mjs`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def browser_files(stage_onnx: Path, inputs_npz: Path, expected: np.ndarray, meta
     for name in web.get("files", []):
         files[f"ort/{name}"] = dist / name
         sizes[name] = (dist / name).stat().st_size
+    files.update(node_files(dist))
     spec = {"stage": meta["stage"], "output": meta["output"], "tolerance": meta["tolerance"],
             "bundle": web["bundle"], "execution_provider": web["execution_provider"],
             "ort_web_version": web["version"], "inputs": specs,
@@ -55,8 +57,27 @@ def browser_files(stage_onnx: Path, inputs_npz: Path, expected: np.ndarray, meta
               "rel L2 against `expected.bin` (float64) and `reproduced` or `fixed` (also `window.reproVerdict`).\n\n"
               f"onnxruntime-web {web['version']} is in `ort/`, copied from its npm package (nothing is fetched "
               f"from a CDN): {listed}; {_size(sum(sizes.values()))} in all. The inputs are raw little-endian "
-              "bytes, `inputs/N.bin`, described in `inputs.json`.\n")
+              "bytes, `inputs/N.bin`, described in `inputs.json`.\n\n"
+              "`node repro.mjs` (Node.js 18 or newer, nothing to install) runs the same stage on onnxruntime-web's "
+              "WebAssembly build for Node.js (`ort/ort.node.min.mjs`, with the `onnxruntime-common` it imports in "
+              "`node_modules/`, copied): the wasm kernels, whichever provider judged the item; it prints the same "
+              "line and exits 1 reproduced, 0 fixed, 2 cannot run here.\n")
     return files, report
+
+
+NODE_FILES = ("ort.node.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+
+
+def node_files(dist: Path) -> dict:
+    """`repro.mjs` and what it loads: onnxruntime-web's Node.js build and its WebAssembly, and the
+    ES modules of onnxruntime-common, which that build imports by package name."""
+    common = dist.parent.parent / "onnxruntime-common"
+    files = {"repro.mjs": web_dir() / "stage_repro_node.mjs",
+             "node_modules/onnxruntime-common/package.json": common / "package.json"}
+    files.update({f"ort/{name}": dist / name for name in NODE_FILES})
+    files.update({f"node_modules/onnxruntime-common/{p.relative_to(common).as_posix()}": p
+                  for p in sorted((common / "dist" / "esm").rglob("*")) if p.suffix == ".js"})
+    return files
 
 
 def _size(n: int) -> str:

@@ -8,6 +8,7 @@ Skips as test_ort_web.py does without chromium, Playwright or web/node_modules (
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -135,10 +136,15 @@ def test_a_step_onnx_judged_in_the_browser_is_localized_there_and_its_bundle_pag
     bundle = Path(web["repro"])
     assert {"stage.onnx", "inputs.npz", "expected.npy", "repro.py", "index.html", "repro.js", "inputs.json",
             "expected.bin"} <= {p.name for p in bundle.iterdir()}
-    assert sorted(p.name for p in (bundle / "ort").iterdir()) == WASM_FILES
+    assert sorted(p.name for p in (bundle / "ort").iterdir()) == sorted({*WASM_FILES, "ort.node.min.mjs"})
     assert json.loads((bundle / "meta.json").read_text())["ran_on"]["ort_web"]["version"] == _pinned()
     assert f"onnxruntime-web {_pinned()}" in (bundle / "REPORT.md").read_text()
     verdict, text = _open_page(bundle)
     print(text)
     assert verdict["reproduced"] is True and verdict["rel_l2"] == pytest.approx(0.5, rel=1e-3), text
     assert "predictor.duration_proj: rel_l2 5.000e-1" in text and text.rstrip().endswith("reproduced")
+    # the same stage in Node.js on onnxruntime-web's WebAssembly build, from the bundle alone
+    node = subprocess.run(["node", "repro.mjs"], cwd=bundle, capture_output=True, text=True, timeout=300)
+    print(node.stdout, node.stderr)
+    assert node.returncode == 1, node.stdout + node.stderr
+    assert "in Node.js v" in node.stdout and "predictor.duration_proj: rel_l2 5.000e-1" in node.stdout, node.stdout
