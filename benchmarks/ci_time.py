@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--junit", type=Path, default=DEFAULT, help="the JUnit XML of a `make test` run")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--write-durations", type=Path, nargs="?", const=DURATIONS, default=None, metavar="FILE",
-                    help=f"write each module's seconds for the suite's xdist order (default {DURATIONS.relative_to(ROOT)})")
+                    help="write each module's seconds for the suite's xdist order "
+                         f"(default {DURATIONS.relative_to(ROOT)})")
     args = ap.parse_args(argv)
     if not args.junit.is_file():
         print(f"unit suite: no measurement ({args.junit} is missing; `make test` writes it)")

@@ -9,7 +9,6 @@ the example's length that narrows the range: an example of 36 plans the input fo
 1024 for 1024 (printed on 2026-11-28). The standalone repro for an upstream report; the decoder's
 case is benchmarks/dynamic_decoder.py (docs/performance.md).
 """
-import sys
 import tempfile
 from pathlib import Path
 
