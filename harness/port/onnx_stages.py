@@ -69,6 +69,7 @@ def module_groups(model, paths, node_path) -> dict[str, dict]:
             consumers.setdefault(x, []).append(i)
     where = [node_path(n) for n in graph.node]
     graph_outputs = {o.name for o in graph.output}
+    data = data_tensors(graph)
     groups = {}
     for path in paths:
         members = {i for i, p in enumerate(where) if p is not None and (p == path or p.startswith(path + "."))}
@@ -85,19 +86,7 @@ def module_groups(model, paths, node_path) -> dict[str, dict]:
                 if srcs and all(i in members for i in srcs):
                     members.add(j)
                     changed = True
-        changed = True
-        while changed:  # absorb the activation quantizers that feed only this module
-            changed = False
-            for i in list(members):
-                for x in graph.node[i].input:
-                    j = producer.get(x)
-                    if j is None or j in members:
-                        continue
-                    n = graph.node[j]
-                    if n.op_type == "DynamicQuantizeLinear" and all(
-                            c in members for o in n.output for c in consumers.get(o, [])):
-                        members.add(j)
-                        changed = True
+        absorb_quantization(graph, path, members, where, producer, consumers, data)
         outs, ins = [], []
         for i in sorted(members):
             for o in graph.node[i].output:
@@ -110,6 +99,43 @@ def module_groups(model, paths, node_path) -> dict[str, dict]:
                     ins.append(x)
         groups[path] = {"nodes": sorted(members), "outputs": outs, "inputs": ins}
     return groups
+
+
+def data_tensors(graph) -> set[str]:
+    """The tensors computed from the graph's inputs as data: not a quantizer's scale or zero
+    point (a DynamicQuantizeLinear's 2nd and 3rd outputs), nor what is computed from those and
+    the weights alone (a bias requantized by its input's scale)."""
+    data = {i.name for i in graph.input}
+    for n in graph.node:  # ONNX nodes are topologically sorted
+        if n.op_type == "DynamicQuantizeLinear":
+            if n.input[0] in data:
+                data.add(n.output[0])
+        elif any(x in data for x in n.input):
+            data.update(n.output)
+    return data
+
+
+def absorb_quantization(graph, path: str, members: set, where: list, producer: dict, consumers: dict,
+                        data: set) -> None:
+    """Into a module's nodes (`members`), what feeds only them: its activation quantizers, and the
+    quantization glue placed around it (in a module holding it, or nowhere: the quantizer names it
+    after the weights, not the module) whose data comes from the module alone: a quantized conv's
+    bias divided by its input's scale, and the Add that puts it on the conv's integer output. Cut
+    out without it, the module's subgraph would take that glue's value, computed from the
+    artifact's own input, as an input of its own (and compute nothing of the module's)."""
+    around = lambda p: not p or p == path or path.startswith(p + ".")  # noqa: E731
+    stack = list(members)
+    while stack:
+        for x in graph.node[stack.pop()].input:
+            j = producer.get(x)
+            if j is None or j in members:
+                continue
+            n = graph.node[j]
+            glue = around(where[j]) and all(producer.get(y) in members for y in n.input if y in data)
+            if (n.op_type == "DynamicQuantizeLinear" or glue) and \
+                    all(c in members for o in n.output for c in consumers.get(o, [])):
+                members.add(j)
+                stack.append(j)
 
 
 def float_boundaries(model, groups: dict) -> dict:
