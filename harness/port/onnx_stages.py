@@ -502,7 +502,9 @@ def stage_lines(b: dict) -> list[str]:
     lines.append(f"first stage whose local error leaves its tolerance: {b.get('first_stage', 'none')}")
     if b.get("defects"):
         n = len(b["defects"])
-        lines.append(f"{n} defect{'s' if n > 1 else ''} (ranked by their effect on the audio, each taken out alone):")
+        ranked = any(math.isfinite(d.get("moves_audio_snr_db", math.nan)) for d in b["defects"])
+        lines.append(f"{n} defect{'s' if n > 1 else ''} " + ("(ranked by their effect on the audio, each taken out alone):"
+                                                             if ranked else "(none ranked by its effect on the audio):"))
         lines += [f"  {d['rank']}. {d['stage']}: {d['kind']}; {effect_text(d)}" for d in b["defects"]]
     if b.get("unmapped"):
         lines.append(f"could not be mapped: {', '.join(b['unmapped'])}")
