@@ -1,11 +1,13 @@
 """`--bisect` on a port item: localization inside every stage of its chain that can be looked into.
 
-- *A whole-model stage* (tokens, style, speed -> audio: a one-stage port, `--artifact e2e=PATH`):
-  onnx_stages' localization, the record's `bisect` as it always was (kind `onnx-stages`).
-- *A chain's ONNX stage* (Kokoro tensors in and out): the Kokoro modules its node names reach
-  (onnx_steps' placement over the whole model's modules) with parameters, each judged chained
+- *An ONNX stage*, a whole model (tokens, style, speed -> audio: a one-stage port, `--artifact
+  e2e=PATH`) or a chain's (Kokoro tensors in and out): one localizer (onnx_steps.localize_modules),
+  as for one step's ONNX. The Kokoro modules its node names reach (onnx_steps' placement over the
+  whole model's modules) with parameters, down to the generator's resblocks, each judged chained
   (the stage fed the reference's values at its boundary) and locally (its subgraph fed the
-  reference's inputs of the module), as one step's ONNX is (onnx_steps.localize_modules).
+  reference's inputs of the module); durations inside forced; every defect ranked by its effect on
+  the audio when the stage outputs it. A one-stage port's localization is the record's `bisect`
+  (kind `onnx-stages`).
 - *A chain's `.pte` stage* with its ETRecord (the stage's `etrecord:` field, or `<stem>.etrecord`
   beside it): one run with ETDump fed the reference's values at its boundary, each Kokoro module its
   ETRecord's module stacks reach judged chained inside it (pte_stages.localize_pte_file).
@@ -29,9 +31,9 @@ import onnx
 from ..backends.prebuilt import describe, kind_of
 from ..patches import NOISE_INPUTS
 from ..record import OnnxStages, PortChain, PteEtdump, Unlocalized
-from .durations import found_durations
 from .noise import noise_inside
-from .onnx_stages import localize, stage_lines
+from .onnx_graph import draws_noise
+from .onnx_stages import stage_lines
 from .onnx_steps import localize_modules, model_modules, reached, step_node_paths, step_roots
 from .portfile import Port, StageSpec, open_port
 from .pte_stages import NO_ETRECORD, PteTarget, localize_pte_file, pte_lines
@@ -82,12 +84,11 @@ def localize_stage(session, item, port: Port, stage: StageSpec, rec, log, module
     path = stage.file_for(port.root)
     tol = session.profile.for_(stage.precision if stage.precision != "float32" else "port", item.backend, item.mode)
     run_dir = session.report_dir / "runs" / item.id / "localize"
-    if whole_model(stage):
-        localize(session, path, item.case, rec, tol, run_dir / stage.name if chain else run_dir, log, stage.runtime)
-    elif kind_of(path) == "executorch":
+    if kind_of(path) == "executorch":
         localize_pte_stage(session, item, stage, port.root, rec, tol, run_dir / stage.name, log)
     else:
-        localize_port_stage(session, item, port, stage, path, modules(), rec, tol, run_dir / stage.name, log)
+        localize_port_stage(session, item, port, stage, path, modules(), rec, tol,
+                            run_dir / stage.name if chain else run_dir, log)
 
 
 def whole_model(stage: StageSpec) -> bool:
@@ -118,24 +119,30 @@ def judged_whole(port: Port, stage: StageSpec) -> str | None:
 
 def localize_port_stage(session, item, port: Port, stage: StageSpec, path: Path, ran: dict, rec, tol,
                         run_dir: Path, log) -> dict:
-    """A chain's ONNX stage fed the reference's tensors at its boundary: the Kokoro modules of
-    `ran` (model_modules) its node names reach, each judged chained and locally
-    (onnx_steps.localize_modules). A stage with its durations inside is looked into on its copy
-    fed the reference's durations (harness.port.durations), so the modules after them are on the
-    reference's frames, as the chain judged the stage."""
+    """An ONNX stage fed the reference's tensors at its boundary (a whole model: tokens, style,
+    speed): the Kokoro modules of `ran` (model_modules) its node names reach, each judged chained
+    and locally by the one ONNX localizer (onnx_steps.localize_modules): durations inside forced
+    when they differ from the reference's, so the modules after them are on the reference's
+    frames, as the chain judged the stage; every defect ranked by its effect on the audio when the
+    stage outputs it. A chain's stage is named in the record (`port_stage`); a one-stage port's
+    whole model is the record's `bisect` as the whole file's."""
     traces = session.traces(item.case)
-    found = found_durations(port, stage, run_dir / "durations")  # the chain read this graph already
-    if found is not None:
-        stage, path = found.forced, found.forced.file_for(port.root)
     roots = step_roots(ran["order"])
     model = onnx.load(str(path), load_external_data=False)
     place, _ = step_node_paths(model, ran["paths"], roots)
     feed = {p.name: value.numpy() for p, value in boundary_feed(stage, path, traces)}
-    where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "roots": roots,
-             "repro": f"{item.id}/{stage.name}"}
-    quiet = stage.noise == "none" and noise_inside(stage)  # its audio has no noise: the zero-noise captures
+    audio = next((name for name, r in stage.outputs.items() if r.tensor == "audio"), None)
+    if len(port.stages) == 1 and whole_model(stage):
+        where = {"what": "the whole model", "repro": f"{item.case}-{path.stem}"}
+    else:  # durations a chain's stage outputs are the next stage's input, forced there by the chain
+        where = {"port_stage": stage.name, "what": f"stage {stage.name!r}", "repro": f"{item.id}/{stage.name}",
+                 "durations": not any(r.tensor in ("pred_dur", "duration") for r in stage.outputs.values())}
+    # noise would arise inside it and its graph draws none (whatever the port says for its verdict: a whole
+    # model's is judged by the noise band): it computes the zero-noise values, judged against those captures
+    quiet = noise_inside(stage) and not draws_noise(model)
     return localize_modules(session, path, item.case, reached(ran, map(place, model.graph.node)), feed, rec,
-                            tol, run_dir, where, log=log, runtime=stage.runtime, zero_noise=quiet)
+                            tol, run_dir, {**where, "roots": roots, "audio": audio}, log=log, runtime=stage.runtime,
+                            zero_noise=quiet)
 
 
 def localize_pte_stage(session, item, stage: StageSpec, root: Path, rec, tol, run_dir: Path, log) -> None:

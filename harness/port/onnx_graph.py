@@ -1,27 +1,17 @@
-"""An ONNX graph read and rewritten without running the harness: which node belongs to which
-Kokoro module, whether it draws noise, where its durations are, copies with tensors marked as
-outputs or forced as inputs, and a plain onnxruntime run. A leaf of harness.port: the chain, the
+"""An ONNX graph read and rewritten without running the harness: whether it draws noise, where
+its durations are, copies with tensors marked as outputs or forced as inputs, and a plain
+onnxruntime run. A leaf of harness.port: the chain, the
 noise rules, the durations and the localization all use it."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from ..onnx_rebuild import _node_path
 from ..plumbing.errors import UsageError
 
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-
-
-def node_module(name: str) -> str | None:
-    try:
-        path = _node_path(name)
-    except ValueError:
-        return None
-    return re.sub(r"_\d+(?=\.|$)", "", path)
 
 
 def draws_noise(model) -> bool:

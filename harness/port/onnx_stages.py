@@ -1,20 +1,18 @@
-"""Localization inside a whole-model ONNX: intermediate values exposed as outputs, mapped to Kokoro's
-module paths, each judged chained and locally; every stage whose local error leaves its tolerance
-named as a defect and ranked by how far taking it out alone moves the audio; a repro bundle for the
-first.
+"""The ONNX side of the one ONNX localizer (harness.port.onnx_steps.localize_modules: a whole
+model, a chain's stage, one step's file): intermediate values exposed as outputs, each module's
+row judged chained and locally; every defect ranked by how far taking it out alone moves the
+audio; a repro bundle for the first.
 
 - *Mark*: like Polygraphy's `mark all`, the module outputs become graph outputs of a copy of the
-  ONNX. A node's module path comes from its name by the rules that rebuild the default model from
-  this very ONNX (`onnx_rebuild._node_path`: `/encoder/predictor/lstm/...` -> `predictor.lstm`); a
-  module's output is the tensor its nodes produce for a node outside it, the one whose size matches
-  the reference capture. A stage no node is named after is reported as not mapped.
-- *Reference*: Kokoro's own `forward_with_tokens` with forward hooks on the same module paths
-  (inputs and outputs), in float32 and float64 (the floor), with the noise the artifact uses: none
-  (every noise input zero) when the graph draws no random numbers, else the case's.
-- *Chained*: the marked run's value of each stage against the reference. *Local*: the stage's
-  subgraph (`onnx.utils.extract_model`) fed the reference's inputs of that module, matched by
-  value (the harmonic source's also what an export computes outside it: upsampled F0, voiced
-  mask); a subgraph that draws its own noise (the source) by its amplitude envelope.
+  ONNX (`module_groups`: the nodes onnx_steps places in each module, with the unnamed ones fed only
+  by it and its activation quantizers); a module's output is the tensor its nodes produce for a
+  node outside it, the one whose size matches the reference capture. A module no node is placed in
+  is reported as not mapped.
+- *Chained*: the marked run's value of each module against the reference. *Local*: the module's
+  subgraph (`onnx.utils.Extractor`, the file read once) fed the reference's inputs of that module,
+  matched by value (the harmonic source's also what an export computes outside it: upsampled F0,
+  voiced mask); a subgraph that draws its own noise (the source) by its amplitude envelope
+  (`judge_envelope`, against another noise draw: `other_draw`).
 - *Defects*: each taken out of its chained output as its kind says and fed back into a copy of the
   artifact (random ops seeded alike), the audio with and without it compared (`rank_defects`).
 - *Repro*: the extracted subgraph, its inputs, the expected output and a repro.py that imports only
@@ -26,7 +24,7 @@ first.
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import math
 from pathlib import Path
 
@@ -40,43 +38,26 @@ from ..backends.prebuilt import NATIVE
 from ..metrics import fmt
 from ..metrics.audio import audio_metrics
 from ..metrics.tensor import compare_to_floor, error_metrics
-from ..patches import apply_patches, provide_noise, sample_noise, to_float64
+from ..patches import provide_noise, sample_noise
 from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write
 from ..plumbing.jobs import run_job
-from ..record import OnnxStages, Unlocalized
-from ..reference import REFERENCE_PATCHES
-from ..verdict import band_comparator, comparator
-from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error
+from ..record import OnnxStages
+from ..verdict import band_comparator
+from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error  # noqa: F401
 from .differences import difference_kind, nonfinite
 from .matching import best_layout, layouts, rel_l2
 from .noise import DIRECTIONS, noise_band, session_k
-from .onnx_graph import (depends_on_inputs, draws_noise, durations_tensor, force_input, given_copy, marked_copy,
-                         node_module, run_onnx, seeded_copy)
-from .tensors import reference as tensor_ref
+from .onnx_graph import draws_noise, given_copy, run_onnx, seeded_copy
 from .web_repro import browser_files
 
-# (module path, what it is). Deterministic unless the artifact draws its own noise from
-# decoder.generator.m_source on (then the audio band judges the end).
-STAGES = (
-    ("bert", "ALBERT"), ("bert_encoder", "bert_encoder"), ("predictor.text_encoder", "duration encoder"),
-    ("predictor.lstm", "duration LSTM"), ("predictor.duration_proj", "duration projection"),
-    ("text_encoder", "text encoder"), ("predictor.shared", "F0/N shared LSTM"),
-    ("predictor.F0_proj", "F0 curve"), ("predictor.N_proj", "energy curve"),
-    ("decoder.encode", "decoder encode block"), ("decoder.decode.3", "decoder last decode block"),
-    ("decoder.generator.m_source", "harmonic source (SineGen)"),
-    ("decoder.generator.conv_post", "vocoder conv_post"),
-    ("decoder.generator.istft", "tail: magnitude/phase -> inverse STFT -> audio"),
-)
-# Module paths of the ONNX export that the reference names otherwise: the export's `istft` holds
-# the generator's STFT of the harmonic source and the inverse STFT to the audio.
-REFERENCE_OF = {"decoder.generator.istft": "audio"}
+# The harmonic source: it draws its own noise, and its phase is a long cumulative sum of F0.
 STOCHASTIC_FROM = "decoder.generator.m_source"
 
 
-def module_groups(model, paths, node_path=None) -> dict[str, dict]:
+def module_groups(model, paths, node_path) -> dict[str, dict]:
     """module path -> {"nodes": indices, "outputs": candidate tensors, "inputs": external inputs}.
-    `node_path(node)` places a node in a module (default: the whole-model ONNX's naming rules)."""
+    `node_path(node)` places a node in a module (onnx_steps.step_node_paths)."""
     graph = model.graph
     consts = {i.name for i in graph.initializer}
     producer = {}
@@ -86,8 +67,9 @@ def module_groups(model, paths, node_path=None) -> dict[str, dict]:
             producer[o] = i
         for x in n.input:
             consumers.setdefault(x, []).append(i)
-    where = [node_path(n) if node_path else node_module(n.name) for n in graph.node]
+    where = [node_path(n) for n in graph.node]
     graph_outputs = {o.name for o in graph.output}
+    data = data_tensors(graph)
     groups = {}
     for path in paths:
         members = {i for i, p in enumerate(where) if p is not None and (p == path or p.startswith(path + "."))}
@@ -104,19 +86,7 @@ def module_groups(model, paths, node_path=None) -> dict[str, dict]:
                 if srcs and all(i in members for i in srcs):
                     members.add(j)
                     changed = True
-        changed = True
-        while changed:  # absorb the activation quantizers that feed only this module
-            changed = False
-            for i in list(members):
-                for x in graph.node[i].input:
-                    j = producer.get(x)
-                    if j is None or j in members:
-                        continue
-                    n = graph.node[j]
-                    if n.op_type == "DynamicQuantizeLinear" and all(
-                            c in members for o in n.output for c in consumers.get(o, [])):
-                        members.add(j)
-                        changed = True
+        absorb_quantization(graph, path, members, where, producer, consumers, data)
         outs, ins = [], []
         for i in sorted(members):
             for o in graph.node[i].output:
@@ -129,6 +99,43 @@ def module_groups(model, paths, node_path=None) -> dict[str, dict]:
                     ins.append(x)
         groups[path] = {"nodes": sorted(members), "outputs": outs, "inputs": ins}
     return groups
+
+
+def data_tensors(graph) -> set[str]:
+    """The tensors computed from the graph's inputs as data: not a quantizer's scale or zero
+    point (a DynamicQuantizeLinear's 2nd and 3rd outputs), nor what is computed from those and
+    the weights alone (a bias requantized by its input's scale)."""
+    data = {i.name for i in graph.input}
+    for n in graph.node:  # ONNX nodes are topologically sorted
+        if n.op_type == "DynamicQuantizeLinear":
+            if n.input[0] in data:
+                data.add(n.output[0])
+        elif any(x in data for x in n.input):
+            data.update(n.output)
+    return data
+
+
+def absorb_quantization(graph, path: str, members: set, where: list, producer: dict, consumers: dict,
+                        data: set) -> None:
+    """Into a module's nodes (`members`), what feeds only them: its activation quantizers, and the
+    quantization glue placed around it (in a module holding it, or nowhere: the quantizer names it
+    after the weights, not the module) whose data comes from the module alone: a quantized conv's
+    bias divided by its input's scale, and the Add that puts it on the conv's integer output. Cut
+    out without it, the module's subgraph would take that glue's value, computed from the
+    artifact's own input, as an input of its own (and compute nothing of the module's)."""
+    around = lambda p: not p or p == path or path.startswith(p + ".")  # noqa: E731
+    stack = list(members)
+    while stack:
+        for x in graph.node[stack.pop()].input:
+            j = producer.get(x)
+            if j is None or j in members:
+                continue
+            n = graph.node[j]
+            glue = around(where[j]) and all(producer.get(y) in members for y in n.input if y in data)
+            if (n.op_type == "DynamicQuantizeLinear" or glue) and \
+                    all(c in members for o in n.output for c in consumers.get(o, [])):
+                members.add(j)
+                stack.append(j)
 
 
 def float_boundaries(model, groups: dict) -> dict:
@@ -158,63 +165,6 @@ def stage_runner(runtime: str = NATIVE):
 def ran_on(run) -> dict:
     """A job's account of where its stages ran: {} on onnxruntime CPU (`stage_runner`)."""
     return {"ran_on": run.about()} if isinstance(run, BrowserRunner) else {}
-
-
-def localize_job(artifact: str, reference_path: str, out_dir: str, runtime: str = NATIVE) -> dict:
-    """Job function (child process): mark, run, extract and run each stage locally, on `runtime`."""
-    with stage_runner(runtime) as run:
-        return {**localize_stages(artifact, reference_path, out_dir, run), **ran_on(run)}
-
-
-def localize_stages(artifact: str, reference_path: str, out_dir: str, run=run_onnx) -> dict:
-    """`localize_job`'s work, each ONNX run by `run` (`run_onnx`'s signature)."""
-    ref = torch.load(reference_path, weights_only=False)
-    out_dir = Path(out_dir)
-    model = onnx.load(artifact, load_external_data=False)
-    groups = module_groups(model, [p for p, _ in STAGES])
-    dur = durations_tensor(model)
-    float_boundaries(model, groups)
-    candidates = [t for g in groups.values() for t in (*g["outputs"], *g["inputs"])] + ([dur] if dur else [])
-    if draws_noise(model):  # its random ops seeded: every run here (marked, cut, fed) draws the same numbers
-        artifact = str(seeded_copy(Path(artifact), out_dir / "seeded.onnx"))
-    marked = marked_copy(Path(artifact), out_dir / "marked.onnx", candidates)
-    feed = ref["feed"]
-    values = run(marked, feed)
-    audio_name = model.graph.output[0].name
-    unforced_audio = np.asarray(values[audio_name]).reshape(-1)
-    forced = False
-    source = Path(artifact)  # what each stage's subgraph is cut from
-    ref_dur = ref["fp32"]["pred_dur"].numpy().reshape(-1)
-    if dur is not None:
-        own = np.asarray(values[dur])
-        if own.size != ref_dur.size or (own.reshape(-1) != ref_dur).any():
-            # the artifact's durations differ: everything after them is compared with the
-            # reference's durations forced (the durations tensor becomes an input)
-            cut = force_input(marked, out_dir / "forced.onnx", dur, own.dtype)
-            feed = {**feed, dur: ref_dur.astype(own.dtype).reshape(own.shape)}
-            values = run(cut, feed)
-            values[dur] = own
-            forced = True
-            source = force_input(Path(artifact), out_dir / "forced.onnx", dur, own.dtype)
-    (out_dir / "marked.onnx").unlink()
-    rows: dict = {}
-    dynamic = depends_on_inputs(model)
-    for path, what in STAGES:
-        g = groups.get(path)
-        if g is not None and path == "decoder.generator.istft" and rows.get("decoder.generator.conv_post", {}).get(
-                "tensor"):  # the tail: everything from conv_post's output to the audio (exp, sin, inverse STFT)
-            g = {**g, "inputs": [rows["decoder.generator.conv_post"]["tensor"]]}
-        rows[path] = stage_row(path, what, g, values, {**ref, "feed": feed, "dynamic": dynamic}, source, out_dir, run)
-    if dur:
-        rows["pred_dur"] = {"what": "durations (Round, Clip)", "mapped": True, "tensor": dur,
-                            "chained": np.asarray(values[dur]).reshape(-1)}
-    rows["audio"] = {"what": "audio" + (" (reference durations forced)" if forced else ""), "mapped": True,
-                     "tensor": audio_name, "chained": np.asarray(values[audio_name]).reshape(-1),
-                     "unforced": unforced_audio}
-    torch.save(rows, out_dir / "stages.pt")
-    torch.save({"source": str(source), "feed": feed, "audio": audio_name}, out_dir / "run.pt")
-    return {"mapped": [p for p, r in rows.items() if r.get("mapped")], "forced_durations": forced,
-            "unmapped": {p: r["why"] for p, r in rows.items() if not r.get("mapped")}}
 
 
 def stage_row(path: str, what: str, group: dict | None, values: dict, ref: dict, source: Path, out_dir: Path,
@@ -303,7 +253,7 @@ def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path
     where.mkdir(parents=True, exist_ok=True)
     sub = where / "stage.onnx"
     try:
-        onnx.utils.extract_model(str(artifact), str(sub), list(feed), [tensor], check_model=False)
+        extract(artifact, sub, list(feed), [tensor])
         got = run(sub, feed, [tensor])[tensor]
     except Exception as e:  # noqa: BLE001 - a stage that cannot be cut out is reported, not fatal
         return {"local_error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -314,53 +264,24 @@ def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path
             "local_draws_noise": draws_noise(onnx.load(str(sub), load_external_data=False))}
 
 
-# ---- the reference, captured where the ONNX is cut --------------------------------------------
+def extract(src: Path, dest: Path, inputs: list[str], outputs: list[str]) -> None:
+    """onnx.utils.extract_model (no check), the source read and its shapes inferred once per file:
+    a localization cuts a hundred modules out of one file."""
+    stat = src.stat()
+    if stat.st_size > onnx.checker.MAXIMUM_PROTOBUF:  # onnx's own path for a file that large
+        onnx.utils.extract_model(str(src), str(dest), inputs, outputs, check_model=False)
+        return
+    onnx.save(_extractor(str(src.resolve()), stat.st_mtime_ns, stat.st_size).extract_model(inputs, outputs), str(dest))
 
-def reference_captures(model, traces, zero_noise: bool) -> dict:
-    """fp32 and fp64 module outputs (and fp32 inputs) of Kokoro's forward_with_tokens on the case."""
-    km32 = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
-    km64 = to_float64(copy.deepcopy(km32))
-    chain = traces.chain
-    noise = {k: chain[k] for k in ("rand_ini", "sine_noise", "source_noise")}
-    if zero_noise:
-        noise = {k: torch.zeros_like(v) for k, v in noise.items()}
-    ids, ref_s = chain["input_ids"], tensor_ref("ref_s", traces)
-    out = {"feed": {"tokens": ids.numpy(), "style": ref_s.numpy(), "speed": chain["speed"].numpy()}}
-    for dtype, km in (("fp32", km32), ("fp64", km64)):
-        seen, seen_in, hooks = {}, {}, []
-        for path, _ in STAGES:
-            if path in REFERENCE_OF:
-                continue  # captured from another reference value below
-            mod = km.get_submodule(path)
 
-            def hook(m, args, o, path=path):
-                if path not in seen:
-                    first = o[0] if isinstance(o, (tuple, list)) else o
-                    seen[path] = first.detach()
-                    seen_in[path] = [a.detach() for a in args if isinstance(a, torch.Tensor)]
-            hooks.append(mod.register_forward_hook(hook))
-        cast = (lambda t: t.double()) if dtype == "fp64" else (lambda t: t)
-        default = torch.get_default_dtype()
-        try:  # kokoro allocates its alignment with torch.zeros (the default dtype)
-            torch.set_default_dtype(torch.float64 if dtype == "fp64" else torch.float32)
-            with torch.no_grad(), provide_noise({k: cast(v) for k, v in noise.items()}):
-                audio, pred_dur = km.forward_with_tokens(ids, cast(ref_s), float(chain["speed"]))
-        finally:
-            torch.set_default_dtype(default)
-            for h in hooks:
-                h.remove()
-        seen["audio"], seen["pred_dur"] = audio.detach(), pred_dur.detach()
-        seen["decoder.generator.istft"] = seen["audio"]
-        seen_in["decoder.generator.istft"] = [seen["decoder.generator.conv_post"], seen["decoder.generator.m_source"]]
-        out[dtype] = seen
-        if dtype == "fp32":
-            out["fp32_in"] = seen_in
-            with torch.no_grad():
-                out["fp32_derived"] = {STOCHASTIC_FROM: source_inputs(km, seen)}
-                if not zero_noise and STOCHASTIC_FROM in seen_in:
-                    out["fp32_other_draw"] = {STOCHASTIC_FROM: other_draw(km, seen_in[STOCHASTIC_FROM][0])}
-    return out
+@functools.lru_cache(maxsize=1)
+def _extractor(path: str, _mtime: int, _size: int) -> onnx.utils.Extractor:
+    model = onnx.shape_inference.infer_shapes(onnx.load(path, load_external_data=False))
+    onnx.load_external_data_for_model(model, str(Path(path).parent))
+    return onnx.utils.Extractor(model)
 
+
+# ---- the harmonic source's references ------------------------------------------------------------
 
 OTHER_DRAW_SEED = 1_000_003  # the source's second noise draw: its envelope's own floor
 
@@ -404,76 +325,6 @@ def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path
     return result, (torch.load(run_dir / "stages.pt", weights_only=False) if result.ok else None)
 
 
-def localize(session, artifact: Path, case_id: str, rec, tol, run_dir: Path, log=print,
-             runtime: str = NATIVE) -> dict:
-    """Run the localization of one whole-model ONNX on one case, its stages on `runtime` (the one
-    that judged the item); fills `rec.bisect`."""
-    traces = session.traces(case_id)
-    noisy = draws_noise(onnx.load(str(artifact), load_external_data=False))
-    ref = reference_captures(session.model, traces, zero_noise=not noisy)
-    log(f"localizing inside {artifact.name}: marking module outputs, extracting each stage ...")
-    result, rows = run_localize_job(session, "harness.port.onnx_stages:localize_job", artifact, ref, run_dir,
-                                    runtime)
-    if not result.ok:
-        rec.bisect = Unlocalized(error=f"localization failed: {result.error}")
-        return rec.bisect
-    check = comparator(tol)
-    table, first = [], None
-    for path, row in rows.items():
-        entry = {"stage": path, "what": row["what"], "mapped": row.get("mapped", False)}
-        if not entry["mapped"]:
-            entry["why"] = row["why"]
-            table.append(entry)
-            continue
-        r32, r64 = ref["fp32"][path], ref["fp64"][path]
-        # chained, everything from the harmonic source on carries the source's phase (a long cumsum
-        # of F0) and the artifact's noise: the audio band judges it
-        after = _after_noise(path)
-        if path == "pred_dur":
-            got = torch.as_tensor(row["chained"]).long()
-            n = min(len(got), len(r32))
-            entry.update(tokens_differ=int((got[:n] != r32[:n]).sum()) + abs(len(got) - len(r32)),
-                         max_frames_diff=int((got[:n] - r32[:n]).abs().max()) if n else 0)
-            entry["ok"] = entry["tokens_differ"] == 0
-            table.append(entry)
-            continue
-        # locally, a stage is noise-dependent only when its own subgraph draws (the tail after the
-        # source, fed the reference's values, is deterministic even in an artifact that draws)
-        own_noise = noisy and row.get("local_draws_noise", True)
-        judge_row(entry, row, r32, r64, check, stochastic=lambda role: after and (role == "chained" or own_noise))
-        other = ref.get("fp32_other_draw", {}).get(path)
-        if own_noise and other is not None and row.get("local") is not None:
-            entry["local"] = judge_envelope(row["local"], r32, other, check)
-        fed = {x: how for x, how in (row.get("fed") or {}).items() if not how.startswith("reference input")}
-        if fed:
-            entry["fed"] = fed  # inputs fed what the reference computes outside the module
-        local = entry.get("local") or {}
-        if local and not local["ok"] and first is None:
-            first = entry
-        table.append(entry)
-    rec.bisect = OnnxStages(artifact=str(artifact), noise="draws its own" if noisy else "none drawn",
-                            forced_durations=result.value.get("forced_durations", False),
-                            stages=table, unmapped=[e["stage"] for e in table if not e["mapped"]])
-    localized_on(rec, runtime, result.value.get("ran_on"), log)
-    audio_row = rows.get("audio") or {}
-    if audio_row.get("mapped") and rec.bisect.forced_durations:
-        rec.bisect.forced_audio = band_rows(session, case_id, traces, audio_row["chained"], tol)
-    defects = [e for e in table if e.get("mapped") and not (e.get("local") or {"ok": True})["ok"]]
-    if defects:
-        rec.bisect.defects = rank_defects(session, defects, rows, ref, run_dir, noisy, runtime)
-        rec.reason = (rec.reason + "; " if rec.reason else "") + defects_reason(rec.bisect.defects)
-    if first is not None:
-        rec.bisect.first_stage = first["stage"]
-        sub = row_sub(rows, first["stage"])
-        if sub is not None:
-            rec.bisect.repro = write_repro(session.report_dir / "repro" / f"{case_id}-{artifact.stem}",
-                                           rows[first["stage"]], ref, first["stage"], tol,
-                                           result.value.get("ran_on"))
-    for line in stage_lines(rec.bisect):
-        log(line)
-    return rec.bisect
-
-
 def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict:
     """A stage that draws its own noise, run locally: its amplitude envelope against the
     reference's, with the envelope of another noise draw of the reference as the floor (rel L2,
@@ -490,7 +341,7 @@ def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict
 
 # ---- every defect, ranked by what taking it out alone does to the audio ------------------------
 
-def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: Path, noisy: bool,
+def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: Path,
                  runtime: str = NATIVE) -> list[dict]:
     """Each stage whose local error leaves its tolerance, with its kind, its rank and its audio
     effect. Its own error is taken out of its chained output (`without_own_error`) and the
@@ -513,10 +364,14 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
             given[e["stage"]] = (row["tensor"], raw, fixed)
     if given:
         pairs.update(run_effects(session, given, run_dir, runtime))
-    found = [{"stage": e["stage"], "kind": e["local"]["kind"], "local_rel_l2": e["local"]["rel_l2"],
-              "floor_rel_l2": e["local"]["floor_rel_l2"],
-              "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))} for e in defects]
-    return score_defects(found, pairs, ref["fp32"]["audio"].double().reshape(-1).numpy())
+    return score_defects(found_defects(defects, rows), pairs, ref["fp32"]["audio"].double().reshape(-1).numpy())
+
+
+def found_defects(defects: list[dict], rows: dict) -> list[dict]:
+    """The defects' table rows as defects.score_defects takes them."""
+    return [{"stage": e["stage"], "kind": e["local"]["kind"], "local_rel_l2": e["local"]["rel_l2"],
+             "floor_rel_l2": e["local"]["floor_rel_l2"],
+             "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))} for e in defects]
 
 
 def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
@@ -608,32 +463,29 @@ def judge_band(audio, am: dict, bands: dict, tol) -> dict:
     return out
 
 
-def _after_noise(path: str) -> bool:
-    order = [p for p, _ in STAGES] + ["audio"]
-    return path in order and order.index(path) >= order.index(STOCHASTIC_FROM)
-
-
 def row_sub(rows: dict, path: str):
     return rows.get(path, {}).get("subgraph")
 
 
 def stage_lines(b: dict) -> list[str]:
-    if "step" in b or "port_stage" in b:  # one step's artifact, a chain's stage (harness/port/onnx_steps.py)
-        what = f"step {b['step']}" if "step" in b else f"stage {b['port_stage']!r} of a chain"
-        lines = [f"stages inside {Path(b['artifact']).name} ({what}; {b['names']}):"]
-    else:
-        lines = [f"stages inside {Path(b['artifact']).name} (noise: {b['noise']}; "
-                 + ("the artifact's durations differ: the stages after them ran with the reference's durations "
-                    "forced)" if b.get("forced_durations") else "durations as the artifact computes them)") + ":"]
+    """The table of one ONNX localization (harness/port/onnx_steps.localize_modules): what was cut
+    (a step, a chain's stage, else a whole model), how its names were read, its noise and
+    durations; each module's row; the audio forced; the defects ranked; the repro."""
+    durations = None if "forced_durations" not in b else (
+        "the artifact's durations differ: the stages after them ran with the reference's durations forced"
+        if b["forced_durations"] else "durations as the artifact computes them")
+    what = f"step {b['step']}" if "step" in b else f"stage {b['port_stage']!r} of a chain" if "port_stage" in b else None
+    about = [x for x in (what, b.get("names"), b.get("noise") and f"noise: {b['noise']}", durations) if x]
+    lines = [f"stages inside {Path(b['artifact']).name}" + (f" ({'; '.join(about)})" if about else "") + ":"]
     for e in b["stages"]:
         if not e["mapped"]:
-            lines.append(f"  {e['stage']:<28} not mapped: {e['why']}")
+            lines.append(f"  {e['stage']:<34} not mapped: {e['why']}")
         elif e["stage"] == "pred_dur":
-            lines.append(f"  {'durations':<28} {e['tokens_differ']} tokens differ (max {e['max_frames_diff']} frames)")
+            lines.append(f"  {'durations':<34} {e['tokens_differ']} tokens differ (max {e['max_frames_diff']} frames)")
         else:
             c, loc = e.get("chained") or {}, e.get("local") or {}
             verdict = lambda m: "-" if not m else ("OVER" if not m["ok"] else "band" if m.get("by_band") else "ok")  # noqa: E731,E501
-            lines.append(f"  {e['stage']:<28} floor {fmt(loc.get('floor_rel_l2') or c.get('floor_rel_l2')):>8}  "
+            lines.append(f"  {e['stage']:<34} floor {fmt(loc.get('floor_rel_l2') or c.get('floor_rel_l2')):>8}  "
                          f"local {fmt(loc.get('rel_l2')):>8} {verdict(loc):<4} chained {fmt(c.get('rel_l2')):>8} "
                          f"{verdict(c):<4} {loc.get('kind') or c.get('kind', '')}"
                          + (f"; local not run: {e['local_error']}" if e.get("local_error") not in (None, "not run")
@@ -650,7 +502,9 @@ def stage_lines(b: dict) -> list[str]:
     lines.append(f"first stage whose local error leaves its tolerance: {b.get('first_stage', 'none')}")
     if b.get("defects"):
         n = len(b["defects"])
-        lines.append(f"{n} defect{'s' if n > 1 else ''} (ranked by their effect on the audio, each taken out alone):")
+        ranked = any(math.isfinite(d.get("moves_audio_snr_db", math.nan)) for d in b["defects"])
+        lines.append(f"{n} defect{'s' if n > 1 else ''} " + ("(ranked by their effect on the audio, each taken out alone):"
+                                                             if ranked else "(none ranked by its effect on the audio):"))
         lines += [f"  {d['rank']}. {d['stage']}: {d['kind']}; {effect_text(d)}" for d in b["defects"]]
     if b.get("unmapped"):
         lines.append(f"could not be mapped: {', '.join(b['unmapped'])}")

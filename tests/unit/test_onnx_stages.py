@@ -1,4 +1,5 @@
-"""Localization inside a whole-model ONNX (harness/port/onnx_stages.py) on the random model's tiny
+"""Localization inside a whole-model ONNX (the one ONNX localizer: harness/port/onnx_steps.py
+localize_modules, its ONNX side harness/port/onnx_stages.py) on the random model's tiny
 case: a whole-model ONNX exported here with the module names of the packaged int8 export
 (`/encoder/predictor/lstm/...`, `/decoder/decoder/generator/m_source/...`), cut as that export cuts
 the harmonic source (the voiced mask computed outside it: a tensor no reference has), with two
@@ -204,6 +205,46 @@ def test_the_source_fed_a_tensor_no_reference_has_is_judged_locally(localized):
     assert row["local"]["judged_by"] == "envelope", row  # it draws its own noise
     before = [e for e in rec.bisect["stages"][:rec.bisect["stages"].index(row)] if e["mapped"]]
     assert before and all(e["local"]["ok"] for e in before if "local" in e), text
+
+
+@pytest.mark.slow
+def test_every_module_the_names_reach_is_a_stage_of_the_whole_file(localized):
+    """The whole file goes through the one ONNX localizer (onnx_steps.localize_modules), as a
+    chain's stage does: beside the fixed list it had (bert ... decoder.decode.3, the source,
+    conv_post, the tail), the F0 and N blocks, the decoder's other decode blocks and the
+    generator's upsamplers, resblocks and noise convolutions are stages, each mapped and judged
+    locally within its floor (the two defects are elsewhere); the durations are a row."""
+    rec, text = localized
+    rows = {e["stage"]: e for e in rec.bisect["stages"]}
+    for path in ("predictor.F0.0", "predictor.F0.1.conv1", "predictor.N.2", "decoder.decode.0",
+                 "decoder.generator.ups.0", "decoder.generator.resblocks.0", "decoder.generator.noise_convs.0",
+                 "decoder.generator.noise_res.0"):
+        row = rows.get(path)
+        assert row and row["mapped"] and row["local"]["ok"], (path, row, text)
+    assert sum(e["mapped"] for e in rows.values()) > 40, text
+    assert rows["pred_dur"]["mapped"] and "audio" in rows, text
+    # the modules holding the two (the generator, the decoder) are stages too, not named: the innermost are
+    assert rows["decoder.generator"]["mapped"] and rows["decoder"]["mapped"], text
+    assert {d["stage"] for d in rec.bisect["defects"]} == {"decoder.generator.m_source", "decoder.generator.istft"}
+
+
+def test_stages_are_counted_from_the_models_top_and_a_one_module_file_is_its_inside():
+    """choose_stages on a hooked run's shape (no model): a whole model's stages reach the
+    generator's resblocks (level 3) and its F0 blocks (level 1, no module around them runs); a
+    file of the decoder alone has the same stages inside the decoder, the decoder not one."""
+    from harness.port.onnx_steps import choose_stages, reached
+
+    order = ["bert.embeddings", "bert", "predictor.F0.0.conv1", "predictor.F0.0", "decoder.encode.conv1",
+             "decoder.encode", "decoder.generator.m_source", "decoder.generator.resblocks.0.convs1.0",
+             "decoder.generator.resblocks.0", "decoder.generator.conv_post", "decoder.generator", "decoder",
+             "predictor.shared"]
+    ran = {"order": order, "calls": {p: 1 for p in order} | {"predictor.shared": 2}, "params": set(order),
+           "types": {p: "M" for p in order}, "tensor_in": set(order), "tensor_out": set(order), "paths": order}
+    stages, skipped = choose_stages(ran)
+    assert stages == [p for p in order if p not in ("decoder.generator.resblocks.0.convs1.0", "predictor.shared")]
+    assert list(skipped) == ["predictor.shared"] and "called 2 times" in skipped["predictor.shared"]
+    vocoder, _ = choose_stages(reached(ran, [p for p in order if p.startswith("decoder")]))
+    assert vocoder == [p for p in stages if p.startswith("decoder.")]
 
 
 # ---- a NaN never passes (pure functions: no model, no artifact) ---------------------------------

@@ -600,11 +600,19 @@ def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, cas
     rec = run_port_item(session, item)
     assert rec.verdict in (Verdict.PASS, Verdict.FAIL), rec.reason
     assert {"pesq", "mcd_db", "rms_ratio_db"} <= set(rec.bands)
-    localize_item(session, item, rec, log=lambda line: None)
+    lines = []
+    localize_item(session, item, rec, log=lines.append)
+    print("\n".join(lines))
     b = rec.bisect
     assert b["kind"] == "onnx-stages" and b["noise"] == "none drawn"
     mapped = [e["stage"] for e in b["stages"] if e["mapped"]]
     assert {"bert_encoder", "predictor.F0_proj", "decoder.generator.conv_post", "audio"} <= set(mapped)
+    # every module its names reach is a stage (the F0 blocks, the generator's resblocks ...), and the one
+    # defect among them all is the inverse STFT's constant gain
+    assert {"predictor.F0.1", "decoder.decode.0", "decoder.generator.resblocks.0",
+            "decoder.generator.noise_convs.1"} <= set(mapped)
+    assert [d["stage"] for d in b["defects"]] == ["decoder.generator.istft"], "\n".join(lines)
+    assert "gain" in b["defects"][0]["kind"], b["defects"]
     if b.get("repro"):
         done = subprocess.run([sys.executable, str(Path(b["repro"]) / "repro.py")], capture_output=True, text=True)
         assert done.returncode in (0, 1), done.stdout + done.stderr
