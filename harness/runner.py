@@ -165,6 +165,10 @@ class Session:
         for t in self._targets.values():
             t.close()
         stop_worker()
+        self.close_browsers()
+
+    def close_browsers(self) -> None:
+        """End the run's shared browsers (`shared_browser`); a later item starts one again."""
         for b in self._browsers.values():
             b.close()
 

@@ -307,7 +307,10 @@ class SharedBrowser:
             tail = (self._dir / "chromium.log").read_text(errors="replace").strip().splitlines()[-3:]
             self._stop()
             raise RuntimeError(f"Chromium did not open its DevTools port within {START_S} s: {' / '.join(tail)}")
-        pages = [t for t in json.loads(self._get("/json/list", timeout=10)) if t.get("type") == "page"]
+        try:
+            pages = [t for t in json.loads(self._get("/json/list", timeout=10)) if t.get("type") == "page"]
+        except (OSError, ValueError):
+            pages = []
         self._first_page = pages[0]["id"] if pages else None  # the startup about:blank, kept
         self.launches += 1
 

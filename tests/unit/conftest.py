@@ -175,4 +175,4 @@ def tiny_session_at(root, **limits):
         try:
             yield s
         finally:
-            s.close()  # its shared browsers (harness.backends.web_page.SharedBrowser) and workers
+            s.close_browsers()  # its Chromiums (harness.backends.web_page.SharedBrowser): none outlives the module
