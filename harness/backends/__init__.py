@@ -406,6 +406,7 @@ def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs
     inputs = torch.load(inputs_path, weights_only=True)
     shared = contextlib.nullcontext()
     if browser:
+        # cycle: onnxruntime_web imports this module
         from .onnxruntime_web import on_shared_browser
         shared = on_shared_browser(browser)
     start = time.perf_counter()
