@@ -180,10 +180,13 @@ class Session:
         if not provider:
             return None
         browser = self._browsers.setdefault(provider, SharedBrowser(webgpu=provider == "webgpu"))
+        if browser.error:
+            return None
         try:
             browser.ensure()
         except (OSError, RuntimeError) as e:
-            progress.say(f"kokoro-parity: no shared browser ({e}); each run starts its own")
+            browser.error = str(e)
+            progress.say(f"kokoro-parity: no shared browser for {provider} ({e}); each run starts its own")
             return None
         return browser
 

@@ -237,6 +237,7 @@ class SharedBrowser:
         self.port: int | None = None
         self._dir: Path | None = None  # the profile and the browser's log
         self._first_page: str | None = None
+        self.error = ""  # why it could not start: its session's runs then start their own, without waiting again
         self._lock = threading.Lock()
 
     @property
@@ -305,8 +306,10 @@ class SharedBrowser:
             time.sleep(0.05)
         if self.endpoint is None:
             tail = (self._dir / "chromium.log").read_text(errors="replace").strip().splitlines()[-3:]
+            code = self.proc.poll()
             self._stop()
-            raise RuntimeError(f"Chromium did not open its DevTools port within {START_S} s: {' / '.join(tail)}")
+            why = f"exited with code {code}" if code is not None else f"opened no DevTools port within {START_S} s"
+            raise RuntimeError(f"{CHROMIUM} {why}" + (f": {' / '.join(tail)}" if tail else ""))
         try:
             pages = [t for t in json.loads(self._get("/json/list", timeout=10)) if t.get("type") == "page"]
         except (OSError, ValueError):
