@@ -23,6 +23,8 @@ from .e2e import run_e2e
 from .metrics.audio import audio_metrics, write_audio
 from .model import SAMPLE_RATE, load_model, load_vocab
 from .backends.web_device import DeviceTarget
+from .backends.onnxruntime_web import browser_provider
+from .backends.web_page import SharedBrowser
 from .backends.prebuilt import NATIVE, PrebuiltBackend, describe_as_json, ports_from_job
 from .patches import PATCHES, canonical as canonical_patches
 from .plumbing import cache, run_cache
@@ -105,6 +107,7 @@ class Session:
     zero_noise_references: dict = field(default_factory=dict)  # case -> the decoder's audio with no noise (port.noise)
     _model: object = None
     _targets: dict = field(default_factory=dict)
+    _browsers: dict = field(default_factory=dict)  # execution provider -> the run's SharedBrowser
     _traces: dict = field(default_factory=dict)
     _cases: dict | None = None
 
@@ -158,10 +161,34 @@ class Session:
         return self._targets[name]
 
     def close(self) -> None:
-        """End the targets' connections and the warm worker (harness.plumbing.worker)."""
+        """End the targets' connections, the warm worker (harness.plumbing.worker) and the run's browsers."""
         for t in self._targets.values():
             t.close()
         stop_worker()
+        self.close_browsers()
+
+    def close_browsers(self) -> None:
+        """End the run's shared browsers (`shared_browser`); a later item starts one again."""
+        for b in self._browsers.values():
+            b.close()
+
+    def shared_browser(self, backend: Backend, target) -> SharedBrowser | None:
+        """The run's headless Chromium for a browser runtime's local run (one per execution
+        provider: their flags differ), started on first use and again when the last one died;
+        None for any other run, or when it cannot start (the run then starts its own)."""
+        provider = browser_provider(backend) if target.kind == "local" else None
+        if not provider:
+            return None
+        browser = self._browsers.setdefault(provider, SharedBrowser(webgpu=provider == "webgpu"))
+        if browser.error:
+            return None
+        try:
+            browser.ensure()
+        except (OSError, RuntimeError) as e:
+            browser.error = str(e)
+            progress.say(f"kokoro-parity: no shared browser for {provider} ({e}); each run starts its own")
+            return None
+        return browser
 
     def patches_for(self, backend: Backend) -> list[str]:
         """The backend's own patches (less its patch-workarounds switched off: `--no-workaround`)
@@ -455,6 +482,7 @@ class Session:
             return self.not_warm(rec, "run", run_name)
         run_dir, onnx = self.run_inputs(backend, inputs, run_name)
         ext = ".npz" if onnx else ".pt"
+        shared = None if onnx else self.shared_browser(backend, target)
 
         try:  # on a remote target the artifact is shipped (once per content), the inputs and outputs per run
             with progress.phase(f"running {tag}".strip("_. ")):
@@ -463,7 +491,8 @@ class Session:
                                         dict(**({} if onnx else dict(backend=backend.name)),
                                              artifact_path=str(artifact_path),
                                              inputs_path=str(run_dir / f"inputs{ext}"),
-                                             outputs_path=str(run_dir / f"outputs{ext}")),
+                                             outputs_path=str(run_dir / f"outputs{ext}"),
+                                             **({"browser": shared.endpoint} if shared else {})),
                                         run_dir, self.limits.run_s,
                                         files=dict(artifact_path="artifact_entry", inputs_path="input",
                                                    outputs_path="output"), warm=onnx,
@@ -480,8 +509,13 @@ class Session:
         rec.target.update(result.extra.get("device_target") or {})  # a device's page: its user agent and adapter
         if not result.ok:
             failed(rec, result, Verdict.RUN_ERROR)
+            if shared:  # the pages the child left, a browser that stopped answering (restarted next time)
+                rec.audit["browser"] = self.shared_about(shared, {"shared": True, "launched_by": "session"})
+                shared.tidy()
             return None
         rec.audit.update(result.value.get("audit") or {})
+        if shared and (rec.audit.get("browser") or {}).get("shared"):
+            rec.audit["browser"] = self.shared_about(shared, rec.audit["browser"])
         if key:
             rec.cache[f"{tag}run"] = "miss"
             compiled = artifact_path.parent / "result.json"  # the artifact's audit and size, for saved_run
@@ -491,6 +525,11 @@ class Session:
                 "peak_rss_mb": result.peak_rss_mb, "audit": result.value.get("audit") or {},
                 "artifact": {k: compiled[k] for k in ("audit", "artifact_bytes") if k in compiled}})
         return self._outputs(run_dir, onnx)
+
+    @staticmethod
+    def shared_about(browser: SharedBrowser, about: dict) -> dict:
+        """A run's `browser` audit with the shared browser's process and how many the run started."""
+        return {**about, "pid": browser.pid, "browsers_started": browser.launches}
 
     @staticmethod
     def _outputs(run_dir: Path, onnx: bool) -> list:

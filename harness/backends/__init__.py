@@ -397,12 +397,21 @@ def probe_job(backends: list[str]) -> dict[str, Any]:
     return out
 
 
-def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str) -> dict[str, Any]:
+def run_artifact_job(backend: str, artifact_path: str, inputs_path: str, outputs_path: str,
+                     browser: str | None = None) -> dict[str, Any]:
+    """`browser`: the DevTools endpoint of the harness run's Chromium a browser runtime's page opens
+    in (harness.backends.web_page.SharedBrowser); without it, one is started for this run."""
     b = get_backend(backend)
     b.prepare_run()
     inputs = torch.load(inputs_path, weights_only=True)
+    shared = contextlib.nullcontext()
+    if browser:
+        # cycle: onnxruntime_web imports this module
+        from .onnxruntime_web import on_shared_browser
+        shared = on_shared_browser(browser)
     start = time.perf_counter()
-    outputs = b.run(Path(artifact_path), inputs)
+    with shared:
+        outputs = b.run(Path(artifact_path), inputs)
     seconds = time.perf_counter() - start
     torch.save([torch.as_tensor(o).detach().clone() for o in outputs], outputs_path)
     return {"run_s": seconds, "n_outputs": len(outputs), "audit": b.run_audit}

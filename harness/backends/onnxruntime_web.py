@@ -3,13 +3,18 @@ in headless Chromium, as Kokoro's web port (kokoro-js: transformers.js on onnxru
 
 The compile is the `onnxruntime` backend's export (the same program, the same patches, the same
 artifact key: one ONNX file serves all three). The run, in the job's child process, starts a
-loopback server (harness.backends.web_page) and a headless Chromium of its own, opens web/runner.html
-in a fresh page, creates an InferenceSession with executionProviders ['wasm'] or ['webgpu'], and
-reads the outputs back as raw bytes. A browser per item keeps each item's isolation a process's: a
+loopback server (harness.backends.web_page), opens web/runner.html in a fresh page, creates an
+InferenceSession with executionProviders ['wasm'] or ['webgpu'], and reads the outputs back as raw
+bytes. The page opens in the harness run's own headless Chromium for that provider when the run
+has one (`SharedBrowser`: the Session starts it on first use and hands its DevTools endpoint to
+each run's child, which connects over CDP and opens a fresh context of its own), else in one
+started for the run (a standalone child, a probe). Each item's isolation stays a process's: a
 renderer crash is the item's CRASHED (the page's own message), a page that never answers is the
-job's TIMEOUT (the child is killed, and its browser with it), a lost WebGPU device a RUN_ERROR with
-the browser's reason; the next item starts a new browser. A localization runs its many subgraphs
-in one `BrowserSession` (one browser, a fresh page per run: `BrowserRunner`).
+job's TIMEOUT (the child is killed; Chromium disposes of its context, and the session closes any
+page left and restarts a browser that stopped answering), a lost WebGPU device a RUN_ERROR with the
+browser's reason; the next item gets a fresh page, and a fresh browser if the last one died. A
+localization runs its many subgraphs in one `BrowserSession` (one browser, a fresh page per run:
+`BrowserRunner`).
 
 The record says where it ran: onnxruntime-web's version and bundle, the browser's version and user
 agent, the WebGPU adapter (vendor, architecture, features, whether `shader-f16`, key limits), and
@@ -70,6 +75,21 @@ def on_device(device):
         yield device
     finally:
         _device = before
+
+
+_shared: str | None = None  # the DevTools endpoint of the harness run's browser taking this process's runs
+
+
+@contextlib.contextmanager
+def on_shared_browser(endpoint: str | None):
+    """Runs in the `with` block open their pages in the browser at `endpoint` (a Session's
+    `SharedBrowser`) instead of one started for the run; None changes nothing."""
+    global _shared
+    before, _shared = _shared, endpoint or _shared
+    try:
+        yield endpoint
+    finally:
+        _shared = before
 
 
 class PageCrashed(RuntimeError):
@@ -154,6 +174,17 @@ def placement(log_lines: list[str]) -> dict:
             "ops_without_kernel": dict(sorted(missing.items()))}
 
 
+def browser_provider(backend) -> str:
+    """The execution provider ("wasm", "webgpu") of a backend whose runs open a page in headless
+    Chromium (an ort-web-* backend, a user's ONNX on a browser runtime), "" for any other."""
+    if isinstance(backend, OrtWebBackend):
+        return backend.execution_provider
+    web = getattr(backend, "web", None)  # harness.backends.prebuilt.PrebuiltBackend
+    if callable(web) and getattr(backend, "runtime", None) in ("ort-web-wasm", "ort-web-webgpu"):
+        return browser_provider(web())
+    return ""
+
+
 def browser_missing() -> str:
     """Why no page can run here (no chromium, no onnxruntime-web in web/node_modules), with the
     command that installs it; "" when both are there. The backends' and a user's ONNX artifact's
@@ -236,7 +267,7 @@ def run_in_browser(model: Path, feed: dict, execution_provider: str, bundle: str
         return session.run(model, feed)
     if _device is not None:
         return _device.run(model, feed, execution_provider, bundle)
-    with BrowserSession(execution_provider, bundle, drive) as one:
+    with BrowserSession(execution_provider, bundle, drive, endpoint=_shared) as one:
         return one.run(model, feed)
 
 
@@ -245,10 +276,16 @@ class BrowserSession:
     and every subgraph cut from it), a fresh page per run. A page that crashes is that run's
     PageCrashed and is closed; the next run gets a fresh page, and a fresh browser if the crash
     took the browser with it. A page that never answers is the job's TIMEOUT: the job's child
-    process is killed, and its browser with it. A context manager."""
+    process is killed, and its browser with it. With `endpoint` (a harness run's `SharedBrowser`)
+    its first browser is that one, connected over CDP (closing the session disconnects and
+    disposes of its contexts, never that browser); one started here when it cannot be reached.
+    A context manager."""
 
-    def __init__(self, execution_provider: str, bundle: str, drive=default_drive) -> None:
+    def __init__(self, execution_provider: str, bundle: str, drive=default_drive, endpoint: str | None = None) -> None:
         self.execution_provider, self.bundle, self.drive = execution_provider, bundle, drive
+        self.endpoint = endpoint
+        self.shared = False  # the current browser is the harness run's, connected over CDP
+        self.shared_error = ""  # why the shared browser could not be reached
         self.launches = 0  # browsers started (1 unless one died)
         self.ort_files: set[str] = set()  # what the pages loaded from onnxruntime-web's dist/
         self._stack = contextlib.ExitStack()
@@ -279,6 +316,14 @@ class BrowserSession:
     def browser(self):
         """The session's browser, started again when the last one is gone."""
         if self._browser is None or not self._browser.is_connected():
+            if self.endpoint and not self.shared and not self.shared_error:  # the first browser only
+                try:
+                    self._browser = self._playwright.chromium.connect_over_cdp(self.endpoint, timeout=30_000)
+                    self.shared = True
+                    return self._browser
+                except playwright_api.Error as e:
+                    self.shared_error = first_error_line(e)
+            self.shared = False
             self._browser = launch_chromium(self._playwright, webgpu=self.execution_provider == "webgpu")
             self.launches += 1
         return self._browser
@@ -288,6 +333,11 @@ class BrowserSession:
         server = self._server
         cfg = stage_job(server, model, feed, self.execution_provider, self.bundle)
         answer, console, browser = _in_page(self.browser(), server.url, cfg, self.drive)
+        browser["shared"] = self.shared
+        if self.shared:
+            browser["launched_by"] = "session"  # harness.runner.Session's SharedBrowser
+        elif self.shared_error:
+            browser["shared_error"] = self.shared_error
         self.ort_files.update(r.split()[1][len("/ort/"):] for r in server.requests
                               if r.startswith("GET /ort/") and r.endswith(" 200"))
         return read_outputs(server, answer), run_audit(answer, console, browser, cfg)

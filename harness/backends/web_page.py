@@ -11,11 +11,18 @@ same server, on another address only when its targets.yaml entry says so.
 """
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import select
 import shutil
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl
@@ -201,3 +208,130 @@ def launch_chromium(playwright, webgpu: bool):
     """Debian's Chromium, headless, through Playwright (`executable_path`: its downloads unused)."""
     flags = BASE_FLAGS + (WEBGPU_FLAGS if webgpu else WASM_FLAGS)
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=flags)
+
+
+# What a shared browser adds to BASE_FLAGS (Playwright's launch passes these itself): no throttling
+# of a page's timers or renderer, /tmp rather than a small container's /dev/shm, no crash reporter,
+# no hang monitor (a long synchronous run is a run, not a hang: the run limit judges it)
+SHARED_FLAGS = ["--disable-dev-shm-usage", "--disable-background-timer-throttling", "--disable-renderer-backgrounding",
+                "--disable-backgrounding-occluded-windows", "--disable-breakpad", "--disable-hang-monitor",
+                "--disable-extensions", "--no-default-browser-check", "--password-store=basic"]
+START_S = 30  # how long a shared browser may take to open its DevTools port
+_LIVE: "set[SharedBrowser]" = set()  # stopped at exit (a session that was never closed)
+
+
+class SharedBrowser:
+    """One headless Chromium a harness run (harness.runner.Session) keeps for its items' runs, as
+    it keeps a warm worker: started on first use, with DevTools on a loopback port of its own
+    (`--remote-debugging-port=0`); each run's child process connects to `endpoint` over CDP and
+    opens its page in a fresh context of its own, which Chromium disposes of when the child
+    disconnects or is killed. The browser is the parent's, in its own process group: a child
+    killed at the run limit leaves it running; one that died (a crash, the OOM killer) or stopped
+    answering is started again at the next `ensure`. `close` ends it and its profile."""
+
+    def __init__(self, webgpu: bool) -> None:
+        self.webgpu = webgpu
+        self.launches = 0  # browsers started (1 unless one died)
+        self.proc: subprocess.Popen | None = None
+        self.endpoint: str | None = None  # ws://127.0.0.1:PORT/devtools/browser/ID
+        self.port: int | None = None
+        self._dir: Path | None = None  # the profile and the browser's log
+        self._first_page: str | None = None
+        self.error = ""  # why it could not start: its session's runs then start their own, without waiting again
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        """The browser's process runs and its DevTools port answers."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            self._get("/json/version", timeout=5)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def ensure(self) -> str:
+        """The endpoint of a running browser: this one, or a new one when it is gone."""
+        with self._lock:
+            if self.endpoint is None or not self.alive():
+                self._stop()
+                self._start()
+            return self.endpoint
+
+    def tidy(self) -> None:
+        """After a run that failed (crash, timeout, error): close the pages its child left open,
+        and stop a browser that no longer answers (the next `ensure` starts another)."""
+        with self._lock:
+            if self.proc is None:
+                return
+            if not self.alive():
+                self._stop()
+                return
+            try:
+                for target in json.loads(self._get("/json/list", timeout=5)):
+                    if target.get("type") == "page" and target.get("id") != self._first_page:
+                        self._get(f"/json/close/{target['id']}", timeout=5)
+            except (OSError, ValueError):
+                self._stop()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _get(self, path: str, timeout: float) -> str:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{self.port}{path}", timeout=timeout) as r:
+            return r.read().decode()
+
+    def _start(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="kokoro-parity-chromium-"))
+        flags = BASE_FLAGS + SHARED_FLAGS + (WEBGPU_FLAGS if self.webgpu else WASM_FLAGS)
+        with open(self._dir / "chromium.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [CHROMIUM, *flags, "--remote-debugging-port=0", f"--remote-debugging-address={LOOPBACK}",
+                 f"--user-data-dir={self._dir / 'profile'}", "about:blank"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _LIVE.add(self)
+        active = self._dir / "profile" / "DevToolsActivePort"  # "PORT\n/devtools/browser/ID"
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            lines = active.read_text().split() if active.exists() else []
+            if len(lines) == 2:
+                self.port = int(lines[0])
+                self.endpoint = f"ws://{LOOPBACK}:{self.port}{lines[1]}"
+                break
+            time.sleep(0.05)
+        if self.endpoint is None:
+            tail = (self._dir / "chromium.log").read_text(errors="replace").strip().splitlines()[-3:]
+            code = self.proc.poll()
+            self._stop()
+            why = f"exited with code {code}" if code is not None else f"opened no DevTools port within {START_S} s"
+            raise RuntimeError(f"{CHROMIUM} {why}" + (f": {' / '.join(tail)}" if tail else ""))
+        try:
+            pages = [t for t in json.loads(self._get("/json/list", timeout=10)) if t.get("type") == "page"]
+        except (OSError, ValueError):
+            pages = []
+        self._first_page = pages[0]["id"] if pages else None  # the startup about:blank, kept
+        self.launches += 1
+
+    def _stop(self) -> None:
+        proc, self.proc, self.endpoint, self.port = self.proc, None, None, None
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the browser and every process it started
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        _LIVE.discard(self)
+
+
+@atexit.register
+def _stop_shared_browsers() -> None:
+    for browser in list(_LIVE):
+        browser.close()

@@ -172,4 +172,7 @@ def tiny_session_at(root, **limits):
         mp.setenv(CACHE_ENV, str(shared_references(root / "cache")))
         s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(**limits))
         s._cases = {c.id: c for c in load_cases(root / "cases")}
-        yield s
+        try:
+            yield s
+        finally:
+            s.close_browsers()  # its Chromiums (harness.backends.web_page.SharedBrowser): none outlives the module

@@ -51,9 +51,15 @@ def browser_runtime():
 
 
 def _write_pids(page) -> None:
-    """The browser's process ids (Chromium's own account), for the test to see them gone."""
+    """The browser's processes ({pid: type}, Chromium's own account), for the test to see which
+    browser the page ran in and what is gone after it."""
     info = page.context.browser.new_browser_cdp_session().send("SystemInfo.getProcessInfo")
-    Path(os.environ[PIDS_ENV]).write_text(json.dumps([p["id"] for p in info["processInfo"]]))
+    Path(os.environ[PIDS_ENV]).write_text(json.dumps({p["id"]: p["type"] for p in info["processInfo"]}))
+
+
+def _browser_pid(pids: dict) -> int:
+    (pid,) = [int(p) for p, kind in pids.items() if kind == "browser"]
+    return pid
 
 
 class CrashingPage(OrtWebWasmBackend):
@@ -109,6 +115,7 @@ def test_both_browser_backends_pass_a_random_step_and_record_where_it_ran(tiny):
     assert wasm.verdict is Verdict.PASS, wasm.reason
     assert wasm.audit["ort_web"]["version"] == _pinned() and wasm.audit["ort_web"]["execution_provider"] == "wasm"
     assert "HeadlessChrome" in wasm.audit["browser"]["user_agent"]
+    assert wasm.audit["browser"]["shared"] is True and wasm.audit["browser"]["launched_by"] == "session"
     assert f"onnxruntime-web=={_pinned()}" in wasm.versions["backend"]
     assert set(wasm.audit["placement"]) == {"CPUExecutionProvider"}  # the wasm provider is the CPU one
     assert "ops_on_cpu" not in wasm.audit  # so nothing "falls back" there
@@ -146,28 +153,112 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid)
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (a shared browser's: it leads its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _pages(shared) -> list[str]:
+    """The page targets open in a shared browser besides its startup page."""
+    return [t["url"] for t in json.loads(shared._get("/json/list", timeout=5))
+            if t["type"] == "page" and t["id"] != shared._first_page]
+
+
+def _timed_run(session, item):
+    start = time.monotonic()
+    rec = session.run(item)
+    print(f"{rec.item_id}: {rec.verdict.value} in {time.monotonic() - start:.1f} s (run job "
+          f"{rec.timings.get('run_job_s', 0):.1f} s), browser {rec.audit.get('browser', {}).get('pid')}", file=sys.stderr)
+    return rec
+
+
+@pytest.mark.slow
+def test_two_items_of_one_run_share_its_browser_and_a_dead_browser_is_started_again(tiny):
+    """Two items in one session: one Chromium (the same process, no launch between them), each
+    item's record saying so; the browser killed between items (as the OOM killer would): the next
+    item passes in a new one, the record counting it."""
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    item = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic")
+    first, second = _timed_run(tiny, item), _timed_run(tiny, item)
+    shared = tiny._browsers["wasm"]
+    for rec in (first, second):
+        assert rec.verdict is Verdict.PASS, rec.reason
+        about = rec.audit["browser"]
+        assert about["shared"] is True and about["launched_by"] == "session" and "HeadlessChrome" in about["user_agent"]
+    assert first.audit["browser"]["pid"] == second.audit["browser"]["pid"] == shared.pid and _alive(shared.pid)
+    assert first.audit["browser"]["browsers_started"] == second.audit["browser"]["browsers_started"] == shared.launches
+    assert not _pages(shared), "a run's page outlived its run"
+    launches, old = shared.launches, shared.pid
+    os.killpg(old, 9)
+    assert _gone([old])
+    third = _timed_run(tiny, item)
+    assert third.verdict is Verdict.PASS, third.reason
+    assert third.audit["browser"]["pid"] == shared.pid != old and third.audit["browser"]["browsers_started"] == launches + 1
+
+
 @pytest.mark.slow
 def test_a_crashed_page_and_a_silent_page_are_their_items_verdicts_and_the_next_item_passes(tiny):
+    """In the session's shared browser: the crashed page is its item's CRASHED and the browser
+    lives on; the silent page is its item's TIMEOUT, its child killed and its page closed, the
+    browser left running; the next item passes in that same browser."""
     from harness.runner import Item, Limits
     from harness.verdict import Verdict
 
     pids = Path(os.environ[PIDS_ENV])
     limits, tiny.limits = tiny.limits, Limits(run_s=120)
     try:
-        crashed = tiny.run(Item("tiny", "bert_encoder", "ort-web-crash", "dynamic"))
+        crashed = _timed_run(tiny, Item("tiny", "bert_encoder", "ort-web-crash", "dynamic"))
     finally:
         tiny.limits = limits
     assert crashed.verdict is Verdict.CRASHED and "crash" in crashed.reason.lower(), crashed.reason
-    assert _gone(json.loads(pids.read_text()))
+    shared = tiny._browsers["wasm"]
+    browser = _browser_pid(json.loads(pids.read_text()))
+    assert browser == shared.pid == crashed.audit["browser"]["pid"]  # the page ran in the session's browser
+    assert crashed.audit["browser"]["shared"] is True and _alive(browser)  # a renderer's crash, not the browser's
+    assert not _pages(shared)
     limits, tiny.limits = tiny.limits, Limits(run_s=20)
     try:
-        hung = tiny.run(Item("tiny", "bert_encoder", "ort-web-hang", "dynamic"))
+        hung = _timed_run(tiny, Item("tiny", "bert_encoder", "ort-web-hang", "dynamic"))
     finally:
         tiny.limits = limits
     assert hung.verdict is Verdict.TIMEOUT and "no result after 20 s" in hung.reason, hung.reason
-    assert _gone(json.loads(pids.read_text())), "the killed run's browser is still running"
-    after = tiny.run(Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic"))
+    assert _browser_pid(json.loads(pids.read_text())) == browser and _alive(browser)
+    assert not _pages(shared), "the killed run's page is still open"
+    after = _timed_run(tiny, Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic"))
     assert after.verdict is Verdict.PASS, after.reason
+    assert after.audit["browser"]["pid"] == browser and after.audit["browser"]["shared"] is True
+
+
+@pytest.mark.slow
+def test_the_shared_browsers_are_gone_after_the_session_closes(tiny):
+    """Session.close ends each provider's browser and every process it started; the next item of
+    a session used again starts a new one."""
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    rec = _timed_run(tiny, Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic"))
+    assert rec.verdict is Verdict.PASS, rec.reason
+    groups = {b.pid: _group(b.pid) for b in tiny._browsers.values() if b.pid}
+    assert groups and all(len(g) > 2 for g in groups.values())  # the browser, its zygotes, its renderers...
+    tiny.close()
+    for pgid, members in groups.items():
+        assert _gone(members) and not _group(pgid), f"Chromium {pgid}'s processes outlived the session"
+    assert all(b.pid is None for b in tiny._browsers.values())
 
 
 def test_the_page_server_serves_its_files_and_nothing_outside_them(tmp_path):
