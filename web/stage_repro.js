@@ -1,10 +1,9 @@
-// Runs stage.onnx on the inputs in onnxruntime-web (from ./ort/) and compares its output with
-// the float64 expected output: "reproduced" (rel L2 over the tolerance, or not finite) or "fixed".
-// A stage bundle's repro.js, copied from web/stage_repro.js by harness/port/web_repro.py.
-const ARRAYS = {
-  float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array,
-  int8: Int8Array, uint8: Uint8Array, bool: Uint8Array, float16: Uint16Array,
-};
+// Runs stage.onnx on the inputs in onnxruntime-web (from ./ort/) with the provider that judged the
+// item and compares its output with the float64 expected output (verdict.mjs): "reproduced" or
+// "fixed", on the page, its console and `window.reproVerdict`. A stage bundle's repro.js, copied
+// from web/stage_repro.js by harness/port/web_repro.py.
+import { runStage } from "./verdict.mjs";
+
 const out = document.getElementById("out");
 function say(line) { out.textContent += line + "\n"; console.log(line); }
 
@@ -14,44 +13,15 @@ async function bytes(url) {
   return response.arrayBuffer();
 }
 
-function half(h) {  // an IEEE half's bits as a number (float16 outputs come back as Uint16Array)
-  const e = (h >> 10) & 31, f = h & 1023, s = h >> 15 ? -1 : 1;
-  if (e === 0) return s * f * 2 ** -24;
-  if (e === 31) return f ? NaN : s * Infinity;
-  return s * (1 + f / 1024) * 2 ** (e - 15);
-}
-
 async function main() {
   const spec = await (await fetch("inputs.json")).json();
   const ort = await import(`./ort/${spec.bundle}`);
   ort.env.wasm.wasmPaths = new URL("ort/", location.href).href;
   ort.env.wasm.numThreads = 1;
   say(`stage ${spec.stage}: onnxruntime-web ${spec.ort_web_version}, ${spec.execution_provider} provider`);
-  const session = await ort.InferenceSession.create(new Uint8Array(await bytes("stage.onnx")), {
-    executionProviders: [spec.execution_provider], graphOptimizationLevel: "all",
-  });
-  const feeds = {};
-  for (const x of spec.inputs) {
-    feeds[x.name] = new ort.Tensor(x.dtype, new ARRAYS[x.dtype](await bytes(x.file)), x.dims);
-  }
-  const result = (await session.run(feeds, [spec.output]))[spec.output];
-  const got = result.type === "float16" && result.data instanceof Uint16Array
-    ? Array.from(result.data, half) : result.data;
-  const expected = new Float64Array(await bytes(spec.expected.file));
-  if (got.length !== expected.length) {
-    throw new Error(`output ${spec.output}: ${got.length} values, expected ${expected.length}`);
-  }
-  let num = 0, den = 0;
-  for (let i = 0; i < expected.length; i++) {
-    const d = Number(got[i]) - expected[i];
-    num += d * d;
-    den += expected[i] * expected[i];
-  }
-  const rel = Math.sqrt(num) / Math.sqrt(den);
-  const reproduced = !Number.isFinite(rel) || rel > spec.tolerance;
-  say(`stage ${spec.stage}: rel_l2 ${rel.toExponential(3)} against the reference ` +
-      `(tolerance ${spec.tolerance.toExponential(3)}): ${reproduced ? "reproduced" : "fixed"}`);
-  window.reproVerdict = { reproduced, rel_l2: rel, tolerance: spec.tolerance, user_agent: navigator.userAgent };
+  const { line, ...verdict } = await runStage(ort, spec, bytes, spec.execution_provider);
+  say(line);
+  window.reproVerdict = { ...verdict, user_agent: navigator.userAgent };
 }
 
 main().catch((e) => {

@@ -2,7 +2,8 @@
 page that a browser or onnxruntime maintainer opens from a local folder, with nothing fetched
 from the internet.
 
-`index.html` and `repro.js` (copies of web/stage_repro.html and web/stage_repro.js) load
+`index.html` and `repro.js` (copies of web/stage_repro.html and web/stage_repro.js, the run and
+verdict they share with repro.mjs in `verdict.mjs`) load
 onnxruntime-web from `ort/` (the files the localization's pages loaded from web/node_modules,
 copied: no CDN), run `stage.onnx` on `inputs/N.bin` (raw little-endian bytes, described by
 `inputs.json`: a browser cannot read .npz) with the provider that judged the item, and compare
@@ -29,7 +30,8 @@ def browser_files(stage_onnx: Path, inputs_npz: Path, expected: np.ndarray, meta
     types = graph_input_types(stage_onnx)
     with np.load(inputs_npz) as saved:
         arrays = {k: np.asarray(saved[k]) for k in saved.files if k in types}
-    files: dict = {"index.html": web_dir() / "stage_repro.html", "repro.js": web_dir() / "stage_repro.js"}
+    files: dict = {"index.html": web_dir() / "stage_repro.html", "repro.js": web_dir() / "stage_repro.js",
+                   "verdict.mjs": web_dir() / "stage_verdict.mjs"}
     specs = []
     for i, (name, a) in enumerate(arrays.items()):
         a = np.ascontiguousarray(a.astype(types[name]) if types[name] is not None else a)
