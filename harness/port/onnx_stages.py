@@ -433,7 +433,8 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
         noise = stochastic(role) and not bad
         entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": (ok or noise) and not bad,
                        "why": bad or (why if not noise else "phase/noise dependent: the audio band judges it"),
-                       "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1))}
+                       "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1)),
+                       **({"nonfinite": True} if bad else {})}
         if noise and not ok:  # outside the floor, but not judged here: its table word says so, not "ok"
             entry[role]["by_band"] = True
     return entry

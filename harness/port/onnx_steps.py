@@ -571,9 +571,9 @@ def judge_module(path: str, row: dict, ref: dict, check, after: bool, noisy: boo
 def fed_otherwise(entry: dict) -> dict:
     """A local error under a chained value that holds sample by sample means the cut was fed
     something other than the module's input (an exporter merged a computation of two modules):
-    not the module's own; noted, and no defect."""
+    not the module's own; noted, and no defect. A NaN or Inf is never excused: it stays a defect."""
     local, chained = entry.get("local") or {}, entry.get("chained") or {}
-    if local and not local["ok"] and chained.get("ok") and not chained.get("by_band"):
+    if local and not local["ok"] and not local.get("nonfinite") and chained.get("ok") and not chained.get("by_band"):
         entry["note"] = ("local cut fed otherwise (the export shares a computation with another module): "
                          "not this module's error, its chained value holds")
     return entry

@@ -329,3 +329,16 @@ def test_a_phase_dependent_row_outside_its_floor_reads_band_not_ok():
     entry = judge_row({"stage": "x", "mapped": True}, {"chained": nan.float().numpy()}, ref.float(), ref, check,
                       stochastic=lambda role: True)
     assert not entry["chained"]["ok"] and "by_band" not in entry["chained"]
+
+
+def test_a_nan_in_a_local_cut_is_never_excused_as_fed_otherwise():
+    """A local error under a chained value that holds is the cut's (no defect), but not a NaN:
+    that row stays a defect whatever its chained value says."""
+    from harness.port.onnx_steps import defect_rows, fed_otherwise
+
+    held = {"ok": True, "rel_l2": 1e-7}
+    off = fed_otherwise({"stage": "a", "mapped": True, "chained": held, "local": {"ok": False, "rel_l2": 0.3}})
+    nan = fed_otherwise({"stage": "b", "mapped": True, "chained": held,
+                         "local": {"ok": False, "rel_l2": float("nan"), "nonfinite": True}})
+    assert "fed otherwise" in off["note"] and "note" not in nan
+    assert [e["stage"] for e in defect_rows([off, nan])] == ["b"]
