@@ -215,7 +215,9 @@ def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step],
                         else progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}"))
                 with each as shown:
                     for step in steps:
-                        shown.update(f"{mode} {dtype}" if one else step.name)
+                        shown.update(step.name if not one else  # what the subject does not already say
+                                     " ".join(v for v, many in ((mode, len(modes) > 1), (dtype, len(dtypes) > 1))
+                                              if many))
                         base = ({k: traces.chain[k] for k in step.input_names} if mode == "dynamic"
                                 else pad_inputs(step, traces.chain, traces.valid, traces.bucket))
                         inputs = cast(base, dtype)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import progress
 from ..metrics.tensor import compare_to_floor, error_metrics
 from ..patches import NOISE_INPUTS
 from ..plumbing import stopping
@@ -146,6 +147,7 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
             rec.audit["rewrite"]["chain"] = why
 
         def judge(io) -> None:
+            shown.update(f"{len(rec.stages) + 1} of {len(conventions)}: {io.path}")
             m, seconds = judge_one(item, model, conventions[io.path], io, tol)
             ch = chained_metrics(chain.get(io.path), io, why or ("a sub-callable: judged locally only"
                                                                  if io.path in inside else ""))
@@ -159,7 +161,8 @@ def judge_modules(session, item: RewriteItem, model, traces, tol, rec) -> list[t
                 defects.append((io.path, m))
             keep_so_far(session, rec, len(conventions))
 
-        rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
+        with progress.phase(f"{item.name}: its modules, each on the reference's inputs") as shown:
+            rec.audit["rewrite"]["peak_capture_bytes"] = module_io(km32, km64, traces, list(conventions), judge)
     return defects
 
 
@@ -183,8 +186,9 @@ def rewrite_chain(session, item: RewriteItem, model, traces, conventions: dict, 
         np.save(files[path], value)
 
     try:
-        ran = item.adapter.chained(model, case.phonemes, reference_tensor("ref_s", traces), case.speed, noise,
-                                   conventions, save)
+        with progress.phase(f"{item.name}: its own chain, tokens to audio"):
+            ran = item.adapter.chained(model, case.phonemes, reference_tensor("ref_s", traces), case.speed, noise,
+                                       conventions, save)
     except Exception as e:  # noqa: BLE001 - the rewrite's own chain: its error, said; the modules it reached stand
         return files, f"the rewrite's own chain raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return files, "" if ran else "the adapter runs no chain of its own (`Adapter.chained`)"
@@ -248,7 +252,8 @@ def judge_pipeline(session, item: RewriteItem, model, traces, tol, rec) -> list[
     """The rewrite's own tokens -> audio (its own noise): its durations against the reference's
     exactly, its audio against the noise band; the failures, as the reason says them."""
     case = session.cases[item.case]
-    got = item.adapter.synthesize(model, case.phonemes, reference_tensor("ref_s", traces), case.speed)
+    with progress.phase(f"{item.name}: its own pipeline, its own noise and durations"):
+        got = item.adapter.synthesize(model, case.phonemes, reference_tensor("ref_s", traces), case.speed)
     if got is None:
         return []
     audio, durations = got

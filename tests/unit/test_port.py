@@ -772,6 +772,77 @@ def test_the_packaged_int8_onnx_cut_at_its_own_names_gives_the_whole_models_find
     assert "gain" in defects[0]["kind"], defects
 
 
+def with_defect(src: Path, dst: Path, tensor: str, factor: float) -> Path:
+    """`src` with one tensor multiplied by `factor` wherever it is read: a defect injected inside
+    one module (the Mul named in its producer's scope, as an exporter names a module's nodes). The
+    tensor keeps its name (its readers take the scaled copy), so the cuts at the export's own
+    names still apply to the file with the defect."""
+    model = onnx.load(str(src))
+    scaled = f"{tensor}_times_{factor:g}"
+    for node in model.graph.node:
+        node.input[:] = [scaled if name == tensor else name for name in node.input]
+    at, producer = next((i, node) for i, node in enumerate(model.graph.node) if tensor in node.output)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float32), f"{scaled}_factor"))
+    model.graph.node.insert(at + 1, helper.make_node("Mul", [tensor, f"{scaled}_factor"], [scaled],
+                                                     name=producer.name.rsplit("/", 1)[0] + "/Mul_defect"))
+    onnx.save(model, str(dst))
+    return dst
+
+
+# A defect injected into each stage of the 2-stage cut: (tensor of the int8 file, factor, the module
+# it is inside, a word of its kind). The sign flip is inside the front (an F0 block's shortcut
+# convolution); the gain is on the harmonic source's output, which draws its own noise.
+INT8_DEFECTS = {
+    "front": ("/encoder/F0.1/conv1x1/Conv_output_0", -1.0, "predictor.F0.1.conv1x1", "sign flip"),
+    "vocoder": ("/decoder/decoder/generator/m_source/l_tanh/Tanh_output_0", 1.3, "decoder.generator.m_source",
+                "gain"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
+                    reason="a real-model run (2-3 min per form and defect on 2 cores): `make heavy-tests`")
+@pytest.mark.parametrize("stage", sorted(INT8_DEFECTS))
+@pytest.mark.parametrize("form", ["whole", "2stages"])
+def test_a_defect_injected_into_the_packaged_int8_onnx_is_named_at_its_stage_with_its_kind(tmp_path, form, stage):
+    """The packaged int8 file with one defect injected, judged whole (`check --bisect`) and cut at
+    its own names into two stages (`run --port --bisect`): the injected module is named with its
+    kind, beside the file's own inverse-STFT gain, and no other defect."""
+    import json
+
+    from onnx.utils import extract_model
+
+    from harness import cli
+    from harness.onnx_rebuild import assemble_onnx
+
+    tensor, factor, module, kind = INT8_DEFECTS[stage]
+    whole = with_defect(assemble_onnx(tmp_path / "clean.onnx"), tmp_path / "kokoro-int8-defect.onnx", tensor, factor)
+    reports = tmp_path / "reports"
+    if form == "whole":
+        cli.main(["check", str(whole), "--case", "en_short", "--bisect", "--report-dir", str(reports)])
+        want = {("", module), ("", "decoder.generator.istft")}
+    else:
+        stages = []
+        for name in ("front", "vocoder"):
+            ins, outs = INT8_CUTS[name]
+            extract_model(str(whole), str(tmp_path / f"{name}.onnx"), ins, outs, check_model=False)
+            stages.append(str(tmp_path / f"{name}.onnx"))
+        port = tmp_path / "port.yaml"
+        assert cli.main(["port", "init", *stages, "--out", str(port), "--case", "en_short"]) == 0
+        cli.main(["run", "--port", str(port), "--case", "en_short", "--bisect", "--report-dir", str(reports)])
+        want = {(stage, module), ("vocoder", "decoder.generator.istft")}
+    (path,) = (reports / "records").glob("*.json")
+    rec = json.loads(path.read_text())
+    assert rec["verdict"] == "fail", rec["reason"]
+    defects = rec["bisect"]["defects"]
+    named = {(d.get("stage", "") if form != "whole" else "", d["module"] if form != "whole" else d["stage"])
+             for d in defects}
+    assert named == want, rec["reason"]
+    injected = next(d for d in defects if module in (d.get("module"), d.get("stage")))
+    assert kind in injected["kind"], injected
+    assert module in rec["reason"], rec["reason"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
                     reason="a real-model run in a browser (3 min on 2 cores): `make heavy-tests`")
