@@ -10,6 +10,7 @@ recorded beside it. `defects_reason` is the verdict's reason for both.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 
 from ..metrics import fmt
 from ..metrics.audio import logmel_mad_db, mrstft, rms_ratio_db, snr_db
-from ..model import SAMPLES_PER_FRAME
+from ..model import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 
 def envelope(x, frame: int = SAMPLES_PER_FRAME) -> torch.Tensor:
@@ -28,11 +29,66 @@ def envelope(x, frame: int = SAMPLES_PER_FRAME) -> torch.Tensor:
     return x[:n].reshape(-1, min(frame, n)).pow(2).mean(-1).sqrt()
 
 
+def frame_power(x, frame: int = SAMPLES_PER_FRAME) -> torch.Tensor:
+    """|STFT|^2 (frequency x frame) of the signal less its mean (a DC offset, the source's bias, is
+    no harmonic: the envelope holds it), a Hann window of two frames every frame, zero-padded at
+    the ends (any length): two frames hold 2.5 periods of an F0 of 100 Hz, so its harmonics are
+    resolved (bins of 20 Hz). Magnitudes only: the source's random phases leave them alone."""
+    x = torch.as_tensor(np.asarray(x), dtype=torch.float64).reshape(-1)
+    x = x - x.mean()
+    window = torch.hann_window(2 * frame, dtype=torch.float64)
+    return torch.stft(x, 2 * frame, hop_length=frame, window=window, center=True, pad_mode="constant",
+                      return_complex=True).abs().pow(2)
+
+
+def mean_frequency(x, frame: int = SAMPLES_PER_FRAME, rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """Per frame, the power-weighted mean log2 frequency (octaves above 1 Hz, DC left out): the
+    instantaneous frequency, which the phase does not hide. For harmonics of F0 it is log2 F0 plus
+    a constant set by their amplitudes (the F0 doubled: +1 wherever voiced); in octaves, the few
+    percent a noise (unvoiced) frame's mean moves by from draw to draw stays small beside that."""
+    p = frame_power(x, frame)[1:]
+    octaves = torch.fft.rfftfreq(2 * frame, 1 / rate, dtype=torch.float64)[1:].log2()
+    return (p * octaves[:, None]).sum(0) / p.sum(0).clamp_min(1e-300)
+
+
+def frequency_shift(got: torch.Tensor, want: torch.Tensor, floor: torch.Tensor) -> str | None:
+    """'frequency x2 (+1.00 octave) in 30 of 41 frames': the median move (`mean_frequency`, octaves)
+    of the frames that moved farther than any did in another noise draw (`floor`); None if none did."""
+    d = got - want
+    moved = d.abs() > (floor - want).abs().max()
+    if not moved.any():
+        return None
+    shift = float(d[moved].median())
+    return f"frequency x{2 ** shift:.3g} ({shift:+.2f} octave) in {int(moved.sum())} of {d.numel()} frames"
+
+
+def harmonic_magnitudes(x, frame: int = SAMPLES_PER_FRAME, rate: int = SAMPLE_RATE, bands: int = 40) -> torch.Tensor:
+    """Per frame, the magnitude in each of `bands` mel bands (band x frame): how strong each
+    harmonic is, phase aside. Linear and unnormalized (energy per band): the loud harmonics weigh,
+    not the noise between them, and a noise frame's energy sits in the wide high bands, each the
+    mean of many bins (little draw-to-draw spread)."""
+    return (_mel(rate, 2 * frame, bands) @ frame_power(x, frame)).sqrt()
+
+
+@functools.lru_cache(maxsize=4)
+def _mel(rate: int, n_fft: int, bands: int) -> torch.Tensor:
+    import librosa  # imported at first use (its import costs seconds), as in harness.metrics.audio
+
+    return torch.from_numpy(librosa.filters.mel(sr=rate, n_fft=n_fft, n_mels=bands, norm=None)).double()
+
+
+# What a stage that draws its own noise (the harmonic source) is judged by: what its phase and
+# noise do not hide (onnx_stages.judge_own_noise), each against another noise draw as its floor.
+OWN_NOISE_MEASURES = {"envelope": envelope, "instantaneous frequency": mean_frequency,
+                      "harmonic magnitudes": harmonic_magnitudes}
+
+
 def without_own_error(chained, local, r32: torch.Tensor, judged_by: str | None = None) -> np.ndarray:
     """The stage's chained output with its own error taken out, in the reference's layout, as its
     local error (fed the reference's inputs) says it is made: a constant gain (a sign flip
-    included) is divided out; a stage judged by its envelope (it draws its own noise) is rescaled
-    frame by frame by the reference's envelope over its local one; any other error is subtracted
+    included) is divided out; a stage that draws its own noise (`judged_by` "own noise") is
+    rescaled frame by frame by the reference's envelope over its local one (of its measures, the
+    one that can be taken out of its chained output); any other error is subtracted
     (`chained - (local - reference)`, to first order the stage without its defect on what its own
     upstream gave it). Never the reference's value itself: that would also take out every defect
     before the stage."""
@@ -40,7 +96,7 @@ def without_own_error(chained, local, r32: torch.Tensor, judged_by: str | None =
     local = torch.as_tensor(np.asarray(local), dtype=torch.float64).reshape(-1)
     want = r32.double().reshape(-1)
     gain = float(local @ want) / max(float(want @ want), 1e-300)
-    if judged_by == "envelope":
+    if judged_by == "own noise":
         scale = envelope(want) / envelope(local).clamp_min(1e-30)
         frame = max(1, math.ceil(chained.numel() / scale.numel()))
         fixed = chained * scale.repeat_interleave(frame)[:chained.numel()]

@@ -11,8 +11,9 @@ audio; a repro bundle for the first.
 - *Chained*: the marked run's value of each module against the reference. *Local*: the module's
   subgraph (`onnx.utils.Extractor`, the file read once) fed the reference's inputs of that module,
   matched by value (the harmonic source's also what an export computes outside it: upsampled F0,
-  voiced mask); a subgraph that draws its own noise (the source) by its amplitude envelope
-  (`judge_envelope`, against another noise draw: `other_draw`).
+  voiced mask); a subgraph that draws its own noise (the source) by what its phase and noise do
+  not hide, its amplitude envelope, instantaneous frequency and harmonic magnitudes
+  (`judge_own_noise`, each against another noise draw: `other_draw`).
 - *Defects*: each taken out of its chained output as its kind says and fed back into a copy of the
   artifact (random ops seeded alike), the audio with and without it compared (`rank_defects`).
 - *Repro*: the extracted subgraph, its inputs, the expected output and a repro.py that imports only
@@ -44,7 +45,8 @@ from ..plumbing.files import atomic_write
 from ..plumbing.jobs import run_job
 from ..record import OnnxStages
 from ..verdict import band_comparator
-from .defects import defects_reason, effect_text, envelope, score_defects, without_own_error  # noqa: F401
+from .defects import (OWN_NOISE_MEASURES, defects_reason, effect_text, envelope,  # noqa: F401
+                      frequency_shift, score_defects, without_own_error)
 from .differences import difference_kind, nonfinite
 from .matching import best_layout, layouts, rel_l2
 from .noise import DIRECTIONS, noise_band, session_k
@@ -283,7 +285,7 @@ def _extractor(path: str, _mtime: int, _size: int) -> onnx.utils.Extractor:
 
 # ---- the harmonic source's references ------------------------------------------------------------
 
-OTHER_DRAW_SEED = 1_000_003  # the source's second noise draw: its envelope's own floor
+OTHER_DRAW_SEED = 1_000_003  # the source's second noise draw: its measures' own floors (judge_own_noise)
 
 
 def other_draw(km, f0: torch.Tensor) -> torch.Tensor:
@@ -325,18 +327,32 @@ def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path
     return result, (torch.load(run_dir / "stages.pt", weights_only=False) if result.ok else None)
 
 
-def judge_envelope(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict:
-    """A stage that draws its own noise, run locally: its amplitude envelope against the
-    reference's, with the envelope of another noise draw of the reference as the floor (rel L2,
-    the item's rule on it); a NaN or Inf fails and says so."""
+def judge_own_noise(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict:
+    """A stage that draws its own noise (the source), run locally: judged by what its phase and
+    noise do not hide (defects.OWN_NOISE_MEASURES: amplitude envelope, instantaneous frequency,
+    harmonic magnitudes), each against the reference's with the same measure of another noise draw
+    of the reference as its floor (rel L2, the item's rule on it). It fails when any measure fails:
+    its numbers and kind those of the first that fails (else the envelope's), its reason naming the
+    failing ones first; a NaN or Inf fails and says so first."""
     value = torch.as_tensor(np.asarray(local)).reshape(-1)
     bad = nonfinite(value)
-    got, want, floor = envelope(local), envelope(r32), envelope(other)
-    m = compare_to_floor(got, floor, want)
-    ok, why = check(m)
-    return {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok and not bad,
-            "why": bad or f"amplitude envelope (frame RMS) against another noise draw's: {why}",
-            "kind": difference_kind(got[None], want[None]) + " (envelope)", "judged_by": "envelope"}
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - frames on the last axis
+    measures = {}
+    for name, measure in OWN_NOISE_MEASURES.items():
+        got, want, floor = measure(value), measure(r32), measure(other)
+        m = compare_to_floor(got, floor, want)
+        ok, why = check(m)
+        shift = frequency_shift(got, want, floor) if name == "instantaneous frequency" else None
+        measures[name] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": ok, "why": why,
+                          "kind": f"{shift or difference_kind(rows(got), rows(want))} ({name})"}
+    failed = [n for n, r in measures.items() if not r["ok"]]
+    lead = measures[(failed or ["envelope"])[0]]
+    why = "; ".join(f"{n} against another noise draw's: {measures[n]['why']}"
+                    for n in failed + [n for n in measures if n not in failed])
+    return {"rel_l2": lead["rel_l2"], "floor_rel_l2": lead["floor_rel_l2"], "ok": not failed and not bad,
+            "why": bad or (f"outside its floor by {', '.join(failed)}: " if failed else "") + why,
+            "kind": lead["kind"], "judged_by": "own noise",
+            "measures": {n: {k: r[k] for k in ("rel_l2", "floor_rel_l2", "ok")} for n, r in measures.items()}}
 
 
 # ---- every defect, ranked by what taking it out alone does to the audio ------------------------

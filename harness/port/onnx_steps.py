@@ -25,7 +25,8 @@ judging a row, ranking defects, the repro bundle).
   (the upsampled F0, voiced masks) and another draw of its noise. Each stage is judged chained (the
   marked run) and locally (its extracted subgraph fed the reference's inputs) against the fp32
   floor with the item's tolerance; chained after the source, where the F0's phase or the file's own
-  noise rules, the audio's noise band judges; a cut that draws its own noise, by its envelope.
+  noise rules, the audio's noise band judges; a cut that draws its own noise, by what its phase
+  and noise do not hide (envelope, instantaneous frequency, harmonic magnitudes).
 - *Durations* the graph rounds inside it (Round, then Clip: found by position) are read; when
   they differ from the reference's, everything after them runs again on the reference's, forced.
 - *Defects*: each innermost module whose local error leaves its tolerance, ranked by its effect
@@ -55,7 +56,7 @@ from .defects import defects_reason, score_defects
 from .noise import zero_noise_reference
 from .onnx_graph import (depends_on_inputs, draws_noise, durations_tensor, force_input, marked_copy, moved_inputs,
                          run_onnx, seeded_copy)
-from .onnx_stages import (STOCHASTIC_FROM, band_rows, float_boundaries, found_defects, judge_envelope, judge_row,
+from .onnx_stages import (STOCHASTIC_FROM, band_rows, float_boundaries, found_defects, judge_own_noise, judge_row,
                           localized_on, module_groups, other_draw, ran_on, rank_defects, row_sub, run_localize_job,
                           source_inputs, stage_lines, stage_row, stage_runner, write_repro)
 
@@ -405,14 +406,14 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
     Kokoro modules of `ran` (a hooked run: model_modules, step_modules, cut to what the file's
     names reach) with parameters (choose_stages), each judged inside the ONNX fed `feed` (its
     graph inputs): chained and locally, against the module captures; the durations inside forced
-    when they differ from the reference's; a module that draws its own noise judged by its
-    envelope; every defect (the innermost failing modules) ranked by its effect on the audio when
-    the file outputs it (`where["audio"]`: that output's name). Fills `rec.bisect` (kind
-    `onnx-stages`; `where`: the key naming what was cut, `step` or `port_stage` (none for a whole
-    model), its `what`, the `roots` its node names resolve under and the `repro` bundle's
-    directory name); the ONNX runs on `runtime` (onnx_stages.stage_runner). `zero_noise`: the
-    artifact draws no noise and takes none, so the modules are judged against captures with every
-    noise input zero, as its own output is."""
+    when they differ from the reference's; a module that draws its own noise judged by what its
+    phase and noise do not hide (onnx_stages.judge_own_noise); every defect (the innermost
+    failing modules) ranked by its effect on the audio when the file outputs it (`where["audio"]`:
+    that output's name). Fills `rec.bisect` (kind `onnx-stages`; `where`: the key naming what was
+    cut, `step` or `port_stage` (none for a whole model), its `what`, the `roots` its node names
+    resolve under and the `repro` bundle's directory name); the ONNX runs on `runtime`
+    (onnx_stages.stage_runner). `zero_noise`: the artifact draws no noise and takes none, so the
+    modules are judged against captures with every noise input zero, as its own output is."""
     stages, skipped = choose_stages(ran)
     ran, stages = with_tail(ran, stages)
     if not stages:
@@ -452,7 +453,7 @@ def module_references(session, case_id: str, ran: dict, stages: list[str], feed:
                       zero_noise: bool, noisy: bool, audio: str | None) -> tuple[dict, dict]:
     """(the references the stages are judged against, the module captures): each stage's output
     (float32, float64) and input (float32), what an export may feed the harmonic source instead of
-    its argument, another noise draw of the source (its envelope's floor, for a file that draws its
+    its argument, another noise draw of the source (its measures' floor, for a file that draws its
     own), the reference's durations, and the audio when the file outputs it."""
     traces = session.traces(case_id)
     caps = module_captures(session.model, session.cases[case_id],
@@ -549,7 +550,8 @@ def judge_modules(ran: dict, skipped: dict, rows: dict, ref: dict, caps: dict, c
 def judge_module(path: str, row: dict, ref: dict, check, after: bool, noisy: bool) -> dict:
     """One module's row judged: chained and local against its reference (onnx_stages.judge_row);
     chained after the source, and locally a cut that draws its own noise, by the band; a cut that
-    draws its own noise and has another draw of its reference (the source) by its envelope."""
+    draws its own noise and has another draw of its reference (the source) by what its phase
+    and noise do not hide (onnx_stages.judge_own_noise)."""
     entry = {"stage": path, "what": row["what"], "mapped": row.get("mapped", False)}
     if not entry["mapped"]:
         entry["why"] = row["why"]
@@ -561,7 +563,7 @@ def judge_module(path: str, row: dict, ref: dict, check, after: bool, noisy: boo
               stochastic=lambda role: after and (role == "chained" or own_noise))
     other = ref.get("fp32_other_draw", {}).get(path)
     if own_noise and other is not None and row.get("local") is not None:
-        entry["local"] = judge_envelope(row["local"], ref["fp32"][path], other, check)
+        entry["local"] = judge_own_noise(row["local"], ref["fp32"][path], other, check)
     fed = {x: how for x, how in (row.get("fed") or {}).items() if not how.startswith("reference input")}
     if fed:
         entry["fed"] = fed  # inputs fed what the reference computes outside the module
