@@ -21,7 +21,7 @@ from . import progress
 from .cases import FRAME_BUCKETS, MAX_TOKENS, TOKEN_BUCKETS, Bucket, Case, CaseError
 from .metrics.tensor import error_metrics
 from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, phonemize, style_for
-from .patches import PATCHES, affecting, apply_patches, graph_code_digest, sample_noise, to_float64
+from .patches import PATCHES, affecting, apply_patches, canonical, graph_code_digest, sample_noise, to_float64
 from .plumbing import cache
 from .plumbing.files import atomic_write, content_key, tensors_digest
 from .plumbing.hooks import registered
@@ -105,10 +105,37 @@ def as_outputs(step: Step, result) -> dict[str, torch.Tensor]:
 DURATION_STAGE = ("bert", "bert_encoder", "duration_encoder", "duration")
 
 
+_MODELS: dict[tuple, torch.nn.Module] = {}  # reference_model's copies: one patch set, float32 and float64
+
+
+def reference_model(model: LoadedModel, patches, dtype: str = "float32") -> torch.nn.Module:
+    """Kokoro with `patches` in `dtype`, for reading only, built once per process for the patch set
+    last asked for (its float32 and float64 kept together, about 1 GB): a step's references are
+    computed one step and one dtype at a time, and each deep copy of the 82M parameters took 2.6 s
+    on the 2-core machine, its float64 cast 3.5-4.4 s more, where the step itself (`bert_encoder`, a
+    Linear) takes milliseconds. A patch replaced in the registry (a test's fault) is a new key.
+    `release_models` frees them (Session.close)."""
+    if any(n not in PATCHES for n in patches):
+        return apply_patches(model.kmodel, patches)  # raises, naming them
+    names = canonical(patches)
+    base = (model.digest, id(model.kmodel), names, tuple(id(PATCHES[n]) for n in names))
+    if not any(k[:-1] == base for k in _MODELS):
+        _MODELS.clear()
+    if (*base, "float32") not in _MODELS:
+        _MODELS[(*base, "float32")] = apply_patches(model.kmodel, names)
+    if (*base, dtype) not in _MODELS:
+        _MODELS[(*base, dtype)] = to_float64(copy.deepcopy(_MODELS[(*base, "float32")]))
+    return _MODELS[(*base, dtype)]
+
+
+def release_models() -> None:
+    _MODELS.clear()
+
+
 def run_chain(model: LoadedModel, case: Case, synthesize: bool = True) -> tuple[dict[str, torch.Tensor], Lengths, list[int]]:
     """Kokoro's forward_with_tokens, step by step, keeping every named value (up to the durations
     only when `synthesize` is false: unit tests of the token steps need no vocoder)."""
-    km = apply_patches(model.kmodel, REFERENCE_PATCHES["dynamic"])
+    km = reference_model(model, REFERENCE_PATCHES["dynamic"])
     ids = case.token_ids(model.vocab)
     n = len(ids)
     v: dict[str, torch.Tensor] = {}
@@ -146,8 +173,10 @@ def run_chain(model: LoadedModel, case: Case, synthesize: bool = True) -> tuple[
             v[f"case_{k}"] = t  # every synthesizer bucket takes its prefix (harness.e2e)
         captured = {}
         hook = km.decoder.generator.register_forward_pre_hook(lambda m, args: captured.update(gen_x=args[0]))
-        call("decoder")
-        hook.remove()
+        try:
+            call("decoder")
+        finally:
+            hook.remove()  # the model is shared (reference_model)
         v["gen_x"] = captured["gen_x"].detach()
         call("generator")
     return v, Lengths(n, n_frames), pred_dur.tolist()
@@ -208,9 +237,7 @@ def _step_references(model: LoadedModel, traces: CaseTraces, steps: list[Step],
     whole = progress.phase("references", subject=subject) if one else contextlib.nullcontext()
     with whole as one_phase:
         for mode in modes:
-            km32 = apply_patches(model.kmodel, REFERENCE_PATCHES[mode])
-            models = {"float32": km32, "float64": to_float64(copy.deepcopy(km32)) if "float64" in dtypes else None}
-            for dtype, km in ((d, models[d]) for d in dtypes):
+            for dtype, km in ((d, reference_model(model, REFERENCE_PATCHES[mode], d)) for d in dtypes):
                 each = (contextlib.nullcontext(one_phase) if one
                         else progress.phase("references", subject=f"{traces.case_id} {mode} {dtype}"))
                 with each as shown:
@@ -340,10 +367,9 @@ def module_captures(model: LoadedModel, case: Case, traces: CaseTraces, refs, va
             if step is None:
                 raise UsageError(f"module reference {ref!r}: no step of the harness runs {path!r}")
             by_step.setdefault(step, []).append(ref)
-        km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
-        km64 = to_float64(copy.deepcopy(km32))
         out: dict[tuple[str, str], torch.Tensor] = {}
-        for dtype, km in (("float32", km32), ("float64", km64)):
+        for dtype in ("float32", "float64"):
+            km = reference_model(model, (*REFERENCE_PATCHES["dynamic"], *variant), dtype)
             for step, step_refs in by_step.items():
                 hooks = []
                 for ref in step_refs:
@@ -400,9 +426,7 @@ def variant_output(model: LoadedModel, case: Case, traces: CaseTraces, step: str
                       graph_code_digest(tuple(variant)) if variant else "")
 
     def build(tmp):
-        km = apply_patches(model.kmodel, (*REFERENCE_PATCHES[mode], *variant))
-        if dtype == "float64":
-            km = to_float64(km)
+        km = reference_model(model, (*REFERENCE_PATCHES[mode], *variant), dtype)
         s = get_step(step)
         with progress.phase("references with " + "+".join(variant), subject=f"{case.id} {step} {mode} {dtype}"):
             with torch.no_grad():
@@ -456,11 +480,10 @@ def synthesizer_reference(model: LoadedModel, case: Case, traces: CaseTraces, va
     chain = traces.chain
 
     def build(tmp):
-        km32 = apply_patches(model.kmodel, (*REFERENCE_PATCHES["dynamic"], *variant))
-        km64 = to_float64(copy.deepcopy(km32))
         inputs = {k: chain[k] for k in step.input_names}
         out = {}
-        for dtype, km in (("float32", km32), ("float64", km64)):
+        for dtype in ("float32", "float64"):
+            km = reference_model(model, (*REFERENCE_PATCHES["dynamic"], *variant), dtype)
             with progress.phase("references: the synthesizer", subject=f"{case.id} {dtype}"), torch.no_grad():
                 out[dtype] = step.module(km)(*cast(inputs, dtype).values())
         atomic_write(tmp / "audio.pt", lambda f: torch.save(out, f))

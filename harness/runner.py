@@ -34,7 +34,7 @@ from .plumbing.targets import TargetUnreachable, compile_on_target, get_target
 from .plumbing.worker import stop_worker
 from .programs import ensure_program, program_key, program_sizes
 from .record import Record, backend_label, failed, item_id, real_time, skip_compiled_not_run, versions
-from .reference import MODES, load_traces, references_for
+from .reference import MODES, load_traces, references_for, release_models
 from .steps import ITEM_STEPS, STAGES, get_step
 from .verdict import Profile, Verdict, judge_outputs
 from .plumbing.errors import UsageError
@@ -166,6 +166,7 @@ class Session:
             t.close()
         stop_worker()
         self.close_browsers()
+        release_models()  # the reference models this process kept (about 1 GB)
 
     def close_browsers(self) -> None:
         """End the run's shared browsers (`shared_browser`); a later item starts one again."""
