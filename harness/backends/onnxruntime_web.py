@@ -537,7 +537,13 @@ class OrtWebWebGpuFp16Backend(OrtWebWebGpuBackend):
         if not ok:
             return ok, why
         adapter = webgpu_adapter()
-        if adapter.get("shader_f16"):
-            return True, ""
-        named = " ".join(str(adapter[k]) for k in ("vendor", "architecture", "description") if adapter.get(k))
-        return False, f"the WebGPU adapter ({named or 'unnamed'}) has no shader-f16: float16 web models need it"
+        return (True, "") if adapter.get("shader_f16") else (False, no_shader_f16(adapter))
+
+
+NO_F16 = "requires f16 but the device does not support it"  # onnxruntime-web 1.30.0's error without shader-f16
+
+
+def no_shader_f16(adapter: dict, whose: str = "the") -> str:
+    """The skip's reason for a WebGPU adapter without the `shader-f16` feature."""
+    named = " ".join(str(adapter[k]) for k in ("vendor", "architecture", "description") if adapter.get(k))
+    return f"{whose} WebGPU adapter ({named or 'unnamed'}) has no shader-f16: float16 web models need it"

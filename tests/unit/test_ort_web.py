@@ -157,7 +157,8 @@ def test_the_float16_cast_keeps_float32_io_and_onnxruntime_runs_it_close_to_floa
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)  # onnxruntime 1.31 reads <= 13
+    # ir_version 10: onnxruntime 1.31 reads 13 at most, onnx 1.23 writes 14
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.save(model, tmp_path / "fp32.onnx")
 
     audit = cast_to_float16(tmp_path / "fp32.onnx", tmp_path / "fp16.onnx")
@@ -670,6 +671,43 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
         assert rec.audit["browser"]["user_agent"] == PHONE_UA and rec.audit["browser"]["device"] is True
         assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0  # the page's own log, posted back
     assert other.verdict is Verdict.SKIPPED and "onnxruntime-web items only" in other.reason, other.reason
+
+
+@pytest.mark.slow
+def test_a_float16_item_on_a_device_whose_adapter_has_no_shader_f16_is_skipped_naming_it(tiny, tmp_path, capsys):
+    """`ort-web-webgpu-fp16` on a browser target: the device's adapter is known only once its page
+    runs the file, so onnxruntime-web's own refusal ("requires f16 but the device does not support
+    it") is the item's SKIPPED naming shader-f16, not a RUN_ERROR. The "device" is a second headless
+    Chromium with WebGPU (SwiftShader: no shader-f16)."""
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_page import launch_chromium
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    _device_target(tiny, tmp_path, "gpu-phone", wait_s=60)
+    records, lines = [], []
+    runs = threading.Thread(target=lambda: records.append(
+        tiny.run(Item("tiny", "bert_encoder", "ort-web-webgpu-fp16", "dynamic", target="gpu-phone"))))
+    runs.start()
+    try:
+        url = _printed_url(capsys, runs, lines)
+        with sync_playwright() as p:
+            phone = launch_chromium(p, webgpu=True)
+            page = phone.new_page(user_agent=PHONE_UA)
+            page.goto(url)
+            runs.join(timeout=180)
+            phone.close()
+    finally:
+        runs.join(timeout=120)
+        tiny._targets.pop("gpu-phone").close()
+    (rec,) = records
+    adapter = rec.target["device"]["webgpu_adapter"]
+    if "error" in adapter or adapter["shader_f16"]:
+        pytest.skip(f"this Chromium's adapter is not the case under test: {adapter}")
+    assert rec.verdict is Verdict.SKIPPED, (rec.verdict, rec.reason)
+    assert f"the device's WebGPU adapter ({adapter['vendor']} {adapter['architecture']}" in rec.reason, rec.reason
+    assert rec.reason.endswith("has no shader-f16: float16 web models need it"), rec.reason
 
 
 def test_a_device_page_nobody_opens_is_the_items_skip_never_a_pass(tiny, tmp_path, capsys, monkeypatch):
