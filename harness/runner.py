@@ -499,6 +499,8 @@ class Session:
                                                    outputs_path="output"), warm=onnx,
                                         preload=None if onnx else run_preload(backend))
         except TargetUnreachable as e:
+            if target.kind == "browser":  # the device's page that said it cannot (its adapter)
+                rec.target.update(target.describe())
             skip_compiled_not_run(rec, f"target {target.name!r} unreachable: {e}")
             return None
         self.counts["runs"] += 1

@@ -221,6 +221,7 @@ _BUILTIN = {
     # harness/backends/onnxruntime_web.py: onnxruntime's ONNX file in onnxruntime-web, headless Chromium
     "ort-web-wasm": "harness.backends.onnxruntime_web:OrtWebWasmBackend",
     "ort-web-webgpu": "harness.backends.onnxruntime_web:OrtWebWebGpuBackend",
+    "ort-web-webgpu-fp16": "harness.backends.onnxruntime_web:OrtWebWebGpuFp16Backend",
     "coreml-fp32": "harness.backends.coreml:CoreMLFp32Backend",
     "coreml-fp16": "harness.backends.coreml:CoreMLFp16Backend",
     "fp16": "harness.backends.fp16:Fp16Backend",

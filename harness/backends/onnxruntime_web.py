@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import numpy as np
 import onnx
 import torch
 
+from ..plumbing.files import content_key
 from ..plumbing.jobs import first_error_line
 from . import Backend
 from .onnx import ONNX_NAME, ONNX_PATCHES, OnnxRuntimeBackend, export_onnx, input_feed
@@ -44,6 +46,7 @@ from ..plumbing.deferred import deferred_import
 
 # imported at their first use (harness.plumbing.deferred)
 playwright_api = deferred_import("playwright.sync_api")
+float16_cast = deferred_import("onnxconverter_common.float16")
 
 WEB_DIR_ENV = "KOKORO_PARITY_WEB_DIR"  # another install of web/ (package.json + node_modules)
 REPO_WEB = Path(__file__).resolve().parents[2] / "web"
@@ -482,3 +485,65 @@ class OrtWebWebGpuBackend(OrtWebBackend):
     def runnable(self) -> tuple[bool, str]:
         why = webgpu_missing()
         return not why, why
+
+
+FLOAT32_NAME = "model_fp32.onnx"  # the export, beside the cast artifact until the cast is written
+
+
+def cast_to_float16(src: Path, dst: Path) -> dict:
+    """The float32 ONNX at `src` cast to float16 at `dst` as the web exports make their
+    model_fp16.onnx: onnxconverter-common's `convert_float_to_float16(model, keep_io_types=True)`
+    (float16 weights and arithmetic, float32 graph inputs and outputs, Casts at the edges)."""
+    half = float16_cast.convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+    onnx.save(half, str(dst))
+    kinds = Counter(onnx.TensorProto.DataType.Name(t.data_type).lower() for t in half.graph.initializer)
+    return {"program_dtype": "float16", "initializer_dtypes": dict(sorted(kinds.items())),
+            "cast": f"onnxconverter-common=={_version('onnxconverter-common')} "
+                    "convert_float_to_float16(keep_io_types=True)"}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+class OrtWebWebGpuFp16Backend(OrtWebWebGpuBackend):
+    """Float16 as web ports ship it: the `ort-web-webgpu` backend's ONNX file cast to float16 the way
+    the web exports make model_fp16.onnx (`cast_to_float16`), run in onnxruntime-web's WebGPU
+    provider. Its float16 shaders need the adapter's `shader-f16` feature: without it the item is
+    SKIPPED saying so. Judged by the float16 floor, as the other float16 backends are."""
+
+    name = "ort-web-webgpu-fp16"
+    precision = "float16"
+    requires = OrtWebBackend.requires + ("onnxconverter_common",)
+    description = ("the onnxruntime ONNX file cast to float16 as web ports ship it (onnxconverter-common, "
+                   "keep_io_types), onnxruntime-web WebGPU provider (needs shader-f16; judged by the float16 floor)")
+
+    def artifact_key(self, program_key: str) -> str:
+        """Its own file (the cast), keyed by the float32 file's key and the converter's version."""
+        return content_key("artifact", super().artifact_key(program_key), self.name,
+                           _version("onnxconverter-common"))
+
+    def compile(self, program_path: Path, out_dir: Path) -> dict:
+        audit = export_onnx(program_path, out_dir / FLOAT32_NAME)
+        audit.update(cast_to_float16(out_dir / FLOAT32_NAME, out_dir / ONNX_NAME))
+        (out_dir / FLOAT32_NAME).unlink()
+        return audit
+
+    def runnable(self) -> tuple[bool, str]:
+        ok, why = super().runnable()
+        if not ok:
+            return ok, why
+        adapter = webgpu_adapter()
+        return (True, "") if adapter.get("shader_f16") else (False, no_shader_f16(adapter))
+
+
+NO_F16 = "requires f16 but the device does not support it"  # onnxruntime-web 1.30.0's error without shader-f16
+
+
+def no_shader_f16(adapter: dict, whose: str = "the") -> str:
+    """The skip's reason for a WebGPU adapter without the `shader-f16` feature."""
+    named = " ".join(str(adapter[k]) for k in ("vendor", "architecture", "description") if adapter.get(k))
+    return f"{whose} WebGPU adapter ({named or 'unnamed'}) has no shader-f16: float16 web models need it"

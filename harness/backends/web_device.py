@@ -15,8 +15,8 @@ connection closes and the item is CRASHED within seconds; a page that stays but 
 the item's TIMEOUT at the run limit (a long synchronous WebAssembly run keeps the connection: the
 browser, not the page's script, holds it); an error in the page, a lost WebGPU device included,
 is its RUN_ERROR with the browser's message. The next item waits for a page again (the URL is
-printed again). A page that never comes, or a WebGPU item where the device's browser has no
-adapter, is the item's SKIPPED, never a pass.
+printed again). A page that never comes, a WebGPU item where the device's browser has no
+adapter, or a float16 model where its adapter has no `shader-f16`, is the item's SKIPPED, never a pass.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from .. import progress
 from ..plumbing.jobs import JobResult, first_error_line
 from ..plumbing.targets import BrowserTarget, TargetUnreachable
 from . import get_backend
-from .onnxruntime_web import (NPM_PACKAGE, OrtWebBackend, PageCrashed, on_device, page_files, read_outputs,
-                              run_audit, stage_job, web_dir)
+from .onnxruntime_web import (NO_F16, NPM_PACKAGE, OrtWebBackend, PageCrashed, no_shader_f16, on_device, page_files,
+                              read_outputs, run_audit, stage_job, web_dir)
 from .web_page import LOOPBACK, PageServer
 
 RUN_FUNCTION = "harness.backends:run_artifact_job"  # the only job a device takes: an ort-web-* run
@@ -167,6 +167,8 @@ class Device:
         self.seen = {"user_agent": said.get("user_agent"), "webgpu_adapter": said.get("adapter")}
         if "error" in said and execution_provider == "webgpu" and "error" in (said.get("adapter") or {}):
             raise DeviceSkip(f"the device's browser has no WebGPU: {said['adapter']['error']}")
+        if "error" in said and execution_provider == "webgpu" and NO_F16 in said["error"]:  # a float16 model
+            raise DeviceSkip(no_shader_f16(said.get("adapter") or {}, "the device's"))
         if "error" in said:
             raise RuntimeError(f"onnxruntime-web ({execution_provider}) on the device: {said['error']}")
         browser = {"user_agent": said.get("user_agent"), "device": True}

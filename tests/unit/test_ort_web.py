@@ -137,6 +137,73 @@ def test_both_browser_backends_pass_a_random_step_and_record_where_it_ran(tiny):
     assert len(gpu.audit["nodes_on_cpu"]) == min(sum(gpu.audit["ops_on_cpu"].values()), 41)
 
 
+
+def test_the_float16_cast_keeps_float32_io_and_onnxruntime_runs_it_close_to_float32(tmp_path):
+    """The web ports' cast (onnxconverter-common, keep_io_types=True) of a MatMul, Add, Relu graph:
+    float16 weights, float32 inputs and outputs, and onnxruntime CPU's result of it within float16's
+    rounding of the float32 file's."""
+    pytest.importorskip("onnxconverter_common")
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from harness.backends.onnxruntime_web import cast_to_float16
+
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["s"]),
+         helper.make_node("Relu", ["s"], ["y"])], "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    # ir_version 10: onnxruntime 1.31 reads 13 at most, onnx 1.23 writes 14
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.save(model, tmp_path / "fp32.onnx")
+
+    audit = cast_to_float16(tmp_path / "fp32.onnx", tmp_path / "fp16.onnx")
+    half = onnx.load(str(tmp_path / "fp16.onnx"))
+    assert {t.data_type for t in half.graph.initializer} == {TensorProto.FLOAT16}
+    assert audit["program_dtype"] == "float16" and audit["initializer_dtypes"] == {"float16": 2}
+    assert "keep_io_types=True" in audit["cast"]
+    for v in (*half.graph.input, *half.graph.output):
+        assert v.type.tensor_type.elem_type == TensorProto.FLOAT, v.name
+
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    run = lambda f: ort.InferenceSession(str(tmp_path / f), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+    full, cast = run("fp32.onnx"), run("fp16.onnx")
+    assert cast.dtype == np.float32 and not np.array_equal(cast, full)  # it did compute in float16
+    assert np.linalg.norm(cast - full) / np.linalg.norm(full) < 5e-3
+
+
+@pytest.mark.slow
+def test_ort_web_webgpu_fp16_is_skipped_naming_shader_f16_where_the_adapter_lacks_it(tiny):
+    """The web ports' float16 file on WebGPU: SKIPPED, naming shader-f16, on an adapter without it
+    (SwiftShader), never a PASS; on one with it, run and judged by the float16 floor."""
+    from harness.backends import precision_of
+    from harness.backends.onnxruntime_web import webgpu_adapter
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    ok, why = get_backend("ort-web-webgpu-fp16").available()
+    if not ok:
+        pytest.skip(why)
+    assert precision_of(get_backend("ort-web-webgpu-fp16")) == "float16"
+    rec = tiny.run(Item("tiny", "bert_encoder", "ort-web-webgpu-fp16", "dynamic"))
+    adapter = webgpu_adapter()  # what the harness's own check sees (SwiftShader here)
+    if "error" in adapter:
+        assert rec.verdict is Verdict.SKIPPED and "no WebGPU" in rec.reason, rec.reason
+        pytest.skip(adapter["error"])
+    if not adapter["shader_f16"]:
+        assert rec.verdict is Verdict.SKIPPED, rec.reason
+        assert rec.reason.endswith("has no shader-f16: float16 web models need it"), rec.reason
+        assert f"({adapter['vendor']} {adapter['architecture']}" in rec.reason, rec.reason
+        assert rec.audit["program_dtype"] == "float16" and rec.audit["initializer_dtypes"].get("float16")
+        return
+    assert rec.verdict in (Verdict.PASS, Verdict.FAIL) and rec.precision == "float16", rec.reason  # the float16 floor
+    assert rec.audit["webgpu_adapter"]["shader_f16"] is True and rec.audit["ort_web"]["execution_provider"] == "webgpu"
+
+
 def _gone(pids: list[int]) -> bool:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -604,6 +671,43 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
         assert rec.audit["browser"]["user_agent"] == PHONE_UA and rec.audit["browser"]["device"] is True
         assert rec.audit["placement"]["CPUExecutionProvider"]["nodes"] > 0  # the page's own log, posted back
     assert other.verdict is Verdict.SKIPPED and "onnxruntime-web items only" in other.reason, other.reason
+
+
+@pytest.mark.slow
+def test_a_float16_item_on_a_device_whose_adapter_has_no_shader_f16_is_skipped_naming_it(tiny, tmp_path, capsys):
+    """`ort-web-webgpu-fp16` on a browser target: the device's adapter is known only once its page
+    runs the file, so onnxruntime-web's own refusal ("requires f16 but the device does not support
+    it") is the item's SKIPPED naming shader-f16, not a RUN_ERROR. The "device" is a second headless
+    Chromium with WebGPU (SwiftShader: no shader-f16)."""
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_page import launch_chromium
+    from harness.runner import Item
+    from harness.verdict import Verdict
+
+    _device_target(tiny, tmp_path, "gpu-phone", wait_s=60)
+    records, lines = [], []
+    runs = threading.Thread(target=lambda: records.append(
+        tiny.run(Item("tiny", "bert_encoder", "ort-web-webgpu-fp16", "dynamic", target="gpu-phone"))))
+    runs.start()
+    try:
+        url = _printed_url(capsys, runs, lines)
+        with sync_playwright() as p:
+            phone = launch_chromium(p, webgpu=True)
+            page = phone.new_page(user_agent=PHONE_UA)
+            page.goto(url)
+            runs.join(timeout=180)
+            phone.close()
+    finally:
+        runs.join(timeout=120)
+        tiny._targets.pop("gpu-phone").close()
+    (rec,) = records
+    adapter = rec.target["device"]["webgpu_adapter"]
+    if "error" in adapter or adapter["shader_f16"]:
+        pytest.skip(f"this Chromium's adapter is not the case under test: {adapter}")
+    assert rec.verdict is Verdict.SKIPPED, (rec.verdict, rec.reason)
+    assert f"the device's WebGPU adapter ({adapter['vendor']} {adapter['architecture']}" in rec.reason, rec.reason
+    assert rec.reason.endswith("has no shader-f16: float16 web models need it"), rec.reason
 
 
 def test_a_device_page_nobody_opens_is_the_items_skip_never_a_pass(tiny, tmp_path, capsys, monkeypatch):
