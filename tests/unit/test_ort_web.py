@@ -6,6 +6,7 @@ Without chromium, Playwright or web/node_modules these tests skip, except under 
 (`make install` runs `npm ci --prefix web`; .ci/run installs chromium)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -624,17 +625,40 @@ DEVICE_LINE = re.compile(r"^kokoro-parity: open (http://127\.0\.0\.1:\d+/\S+) on
 PHONE_UA = "Mozilla/5.0 (Linux; Android 14; Pixel 8) kokoro-parity-test-phone"
 
 
+@contextlib.contextmanager
+def phone_opens(tiny, capsys, target: str, work, lines: list[str], webgpu: bool = False, join_s: float = 120):
+    """`work` (items on the device target `target`) in a thread, the URL it prints opened by a
+    second headless Chromium with its own user agent, as a phone would: yields that page once the
+    work has ended (or `join_s` passed); the target is closed after."""
+    from playwright.sync_api import sync_playwright
+
+    from harness.backends.web_page import launch_chromium
+
+    runs = threading.Thread(target=work)
+    runs.start()
+    try:
+        url = _printed_url(capsys, runs, lines)
+        with sync_playwright() as p:
+            phone = launch_chromium(p, webgpu=webgpu)
+            page = phone.new_page(user_agent=PHONE_UA)
+            page.goto(url)
+            runs.join(timeout=join_s)
+            yield page
+            phone.close()
+    finally:
+        runs.join(timeout=120)
+        tiny._targets.pop(target).close()
+
+
 @pytest.mark.slow
 def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_names_it(tiny, user_onnx, tmp_path,
                                                                                           capsys):
     """As a phone would: a second headless Chromium (its own user agent) opens the printed URL once
     and runs a step's item and a user's ONNX (`--artifact-runtime ort-web-wasm`) in turn; a WebGPU
     item where that browser has no adapter, and a backend not onnxruntime-web's, are SKIPPED there."""
-    from playwright.sync_api import sync_playwright
 
     from harness import pipeline
     from harness.artifacts import ArtifactItem
-    from harness.backends.web_page import launch_chromium
     from harness.runner import Item
     from harness.verdict import Verdict
 
@@ -643,22 +667,11 @@ def test_a_device_page_opened_by_a_second_browser_runs_the_items_and_the_record_
     mine = ArtifactItem("tiny", "bert_encoder", str(user_onnx[0]), "dynamic", "ort-web-wasm", target="phone")
     records, lines = [], []
     gpu = Item("tiny", "bert_encoder", "ort-web-webgpu", "dynamic", target="phone")  # no WebGPU on this "phone"
-    runs = threading.Thread(target=lambda: records.extend([tiny.run(step), pipeline.check(tiny, mine), tiny.run(gpu)]))
     start = time.monotonic()
-    runs.start()
-    try:
-        url = _printed_url(capsys, runs, lines)
-        with sync_playwright() as p:
-            phone = launch_chromium(p, webgpu=False)
-            page = phone.new_page(user_agent=PHONE_UA)
-            page.goto(url)
-            runs.join(timeout=120)
-            assert "3 run(s) done" in page.inner_text("body")
-            phone.close()
+    with phone_opens(tiny, capsys, "phone", lambda: records.extend([tiny.run(step), pipeline.check(tiny, mine),
+                                                                     tiny.run(gpu)]), lines) as page:
+        assert "3 run(s) done" in page.inner_text("body")
         other = tiny.run(Item("tiny", "bert_encoder", "onnxruntime", "dynamic", target="phone"))
-    finally:
-        runs.join(timeout=120)
-        tiny._targets.pop("phone").close()
     print(f"device items: {time.monotonic() - start:.1f} s", file=sys.stderr)
     lines += capsys.readouterr().err.splitlines()
     assert len([ln for ln in lines if DEVICE_LINE.search(ln)]) == 1, lines  # one page load, both items
@@ -679,28 +692,16 @@ def test_a_float16_item_on_a_device_whose_adapter_has_no_shader_f16_is_skipped_n
     runs the file, so onnxruntime-web's own refusal ("requires f16 but the device does not support
     it") is the item's SKIPPED naming shader-f16, not a RUN_ERROR. The "device" is a second headless
     Chromium with WebGPU (SwiftShader: no shader-f16)."""
-    from playwright.sync_api import sync_playwright
 
-    from harness.backends.web_page import launch_chromium
     from harness.runner import Item
     from harness.verdict import Verdict
 
     _device_target(tiny, tmp_path, "gpu-phone", wait_s=60)
     records, lines = [], []
-    runs = threading.Thread(target=lambda: records.append(
-        tiny.run(Item("tiny", "bert_encoder", "ort-web-webgpu-fp16", "dynamic", target="gpu-phone"))))
-    runs.start()
-    try:
-        url = _printed_url(capsys, runs, lines)
-        with sync_playwright() as p:
-            phone = launch_chromium(p, webgpu=True)
-            page = phone.new_page(user_agent=PHONE_UA)
-            page.goto(url)
-            runs.join(timeout=180)
-            phone.close()
-    finally:
-        runs.join(timeout=120)
-        tiny._targets.pop("gpu-phone").close()
+    item = Item("tiny", "bert_encoder", "ort-web-webgpu-fp16", "dynamic", target="gpu-phone")
+    with phone_opens(tiny, capsys, "gpu-phone", lambda: records.append(tiny.run(item)), lines, webgpu=True,
+                     join_s=180):
+        pass
     (rec,) = records
     adapter = rec.target["device"]["webgpu_adapter"]
     if "error" in adapter or adapter["shader_f16"]:
