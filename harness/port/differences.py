@@ -1,6 +1,7 @@
 """What a difference between a port's tensor and the reference's looks like, in words: a value
 non-finite where the reference is finite (said first by every judge), a constant gain and its dB,
-a sign flip, a shift, or noise. Pure torch: the chain's judges and both localizers use it."""
+a sign flip, a shift, or noise; and where an angle sits on the other side of its branch cut (the
+same angle, not a difference). Pure torch: the chain's judges and both localizers use it."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,21 @@ import math
 import torch
 
 MAX_SHIFT = 64  # samples (or positions) tried when naming a difference a shift
+
+def wraps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Where `out` and `ref`, each within [-pi, pi] there, differ by about 2*pi (the same angle
+    within half a radian): one angle written +pi by one and -pi by the other, an atan2 whose
+    imaginary part is a rounding-level +0 or -0. Which side it lands on is rounding's choice, as
+    PyTorch's own float32 and float64 show (they differ there too)."""
+    d, angle = out - ref, math.pi + 1e-3
+    return (out.abs() <= angle) & (ref.abs() <= angle) & (d.abs() > math.pi) & ((d.abs() - 2 * math.pi).abs() < 0.5)
+
+
+def unwrapped(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(`out` with every angle on the other side of its branch cut moved to `ref`'s side, how many)."""
+    w = wraps(out, ref)
+    n = int(w.sum())
+    return (torch.where(w, out - 2 * math.pi * torch.sign(out - ref), out) if n else out), n
 
 
 def nonfinite(value: torch.Tensor, ref: torch.Tensor | None = None) -> str | None:

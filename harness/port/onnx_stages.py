@@ -47,7 +47,7 @@ from ..record import OnnxStages
 from ..verdict import band_comparator
 from .defects import (OWN_NOISE_MEASURES, defects_reason, effect_text, envelope,  # noqa: F401
                       frequency_shift, score_defects, without_own_error)
-from .differences import difference_kind, nonfinite
+from .differences import difference_kind, nonfinite, unwrapped
 from .matching import best_layout, layouts, rel_l2
 from .noise import DIRECTIONS, noise_band, session_k
 from .onnx_graph import draws_noise, given_copy, run_onnx, seeded_copy
@@ -244,10 +244,10 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
             feed[x] = own_a  # shapes, lengths, quantization scales: the artifact's own values
         else:
             return {"local_error": f"input {x!r} matches none of the module's reference inputs"}
-    return _run_cut(artifact, feed, fed, tensor, ref, path, where, run)
+    return run_cut(artifact, feed, fed, tensor, ref, path, where, run)
 
 
-def _run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path,
+def run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path,
              run=run_onnx) -> dict:
     """The module's subgraph (inputs `feed`, output `tensor`) cut out of the artifact and run."""
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
@@ -372,7 +372,7 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
     for e in defects:
         row = rows[e["stage"]]
         raw = np.asarray(row["chained_raw"])
-        fixed = _in_layout(without_own_error(row["chained"], row["local"], ref["fp32"][e["stage"]],
+        fixed = in_layout(without_own_error(row["chained"], row["local"], ref["fp32"][e["stage"]],
                                              e["local"].get("judged_by")), raw)
         if row["tensor"] == audio_tensor:  # the stage's output is the audio itself
             pairs[e["stage"]] = (raw.reshape(-1), fixed.reshape(-1))
@@ -390,7 +390,7 @@ def found_defects(defects: list[dict], rows: dict) -> list[dict]:
              "nonfinite": bool(nonfinite(torch.as_tensor(rows[e["stage"]]["local"])))} for e in defects]
 
 
-def _in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
+def in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
     """`value` (the reference's layout) in the artifact's layout: the axis order nearest its own."""
     own = torch.from_numpy(raw.astype(np.float32))
     return min(layouts(value, raw.shape), key=lambda a: rel_l2(a, own)).astype(raw.dtype)
@@ -432,7 +432,10 @@ def _effects(out: Path, run) -> dict:
 
 def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, check, stochastic=lambda role: False):
     """Fill `entry["chained"]` and `entry["local"]` (rel L2, its fp32 floor, ok, kind of difference)
-    from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it)."""
+    from a stage's row; a role `stochastic(role)` says is noise-dependent passes (the band judges it).
+    An angle written -pi where the reference has +pi (an STFT's phase where its imaginary part is
+    0) counts as the reference's: which side a rounding-level imaginary part lands on is rounding's
+    choice, PyTorch's float32 and float64 disagree on it too (`wrapped` says how many)."""
     for role in ("chained", "local"):
         value = row.get(role)
         if value is None:
@@ -443,6 +446,8 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
         if value.numel() != a32.numel() or a64.numel() != a32.numel():
             entry[f"{role}_error"] = f"{value.numel()} values, the reference {a32.numel()} (durations differ upstream)"
             continue
+        # an angle on the other side of its branch cut is the same angle: on the float64's side
+        (value, wrapped), (a32, _) = unwrapped(value, a64), unwrapped(a32, a64)
         m = compare_to_floor(value, a32, a64)
         ok, why = check(m)
         bad = nonfinite(value, a64)  # a NaN never passes, noise-dependent or not
@@ -450,7 +455,10 @@ def judge_row(entry: dict, row: dict, r32: torch.Tensor, r64: torch.Tensor, chec
         entry[role] = {"rel_l2": m["rel_l2"], "floor_rel_l2": m["floor_rel_l2"], "ok": (ok or noise) and not bad,
                        "why": bad or (why if not noise else "phase/noise dependent: the audio band judges it"),
                        "kind": difference_kind(value.reshape(1, -1), a64.reshape(1, -1)),
-                       **({"nonfinite": True} if bad else {})}
+                       **({"nonfinite": True} if bad else {}),
+                       **({"wrapped": f"{wrapped} of {value.numel()} angles on the other side of their branch cut "
+                                      "(-pi for +pi: the same angle), counted as the reference's"}
+                          if wrapped else {})}
         if noise and not ok:  # outside the floor, but not judged here: its table word says so, not "ok"
             entry[role]["by_band"] = True
     return entry
@@ -508,6 +516,7 @@ def stage_lines(b: dict) -> list[str]:
                          + (f"; local not run: {e['local_error']}" if e.get("local_error") not in (None, "not run")
                             and not loc else "")
                          + (f"; fed {', '.join(sorted(set(e['fed'].values())))}" if e.get("fed") else "")
+                         + (f"; {loc['wrapped'].split(' (')[0]}" if loc.get("wrapped") else "")
                          + (f"; chained: {e['chained_error']}" if e.get("chained_error") else "")
                          + (f"; {e['note']}" if e.get("note") else ""))
     if b.get("forced_audio"):

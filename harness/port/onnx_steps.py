@@ -29,6 +29,8 @@ judging a row, ranking defects, the repro bundle).
   and noise do not hide (envelope, instantaneous frequency, harmonic magnitudes).
 - *Durations* the graph rounds inside it (Round, then Clip: found by position) are read; when
   they differ from the reference's, everything after them runs again on the reference's, forced.
+- *Between stages*: the ops that compute a stage's input outside every stage (a parent's own ops,
+  unnamed nodes) are a row of their own, `<stage>:input` (onnx_glue), judged as a stage is.
 - *Defects*: each innermost module whose local error leaves its tolerance, ranked by its effect
   on the audio when the file outputs it (onnx_stages.rank_defects), in the reason; the first's
   repro bundle is onnx_stages' (numpy + onnxruntime only; a static page too when the item ran in
@@ -54,6 +56,7 @@ from ..verdict import comparator
 from . import tensors
 from .defects import defects_reason, score_defects
 from .noise import zero_noise_reference
+from .onnx_glue import INPUT_SUFFIX, glue_rows, judge_references
 from .onnx_graph import (depends_on_inputs, draws_noise, durations_tensor, force_input, marked_copy, moved_inputs,
                          run_onnx, seeded_copy)
 from .onnx_stages import (STOCHASTIC_FROM, band_rows, float_boundaries, found_defects, judge_own_noise, judge_row,
@@ -344,6 +347,7 @@ def _localize(artifact: str, reference_path: str, out_dir: str, run=run_onnx) ->
     if rows.get(TAIL_FROM, {}).get("tensor") and rows.get(TAIL_TO, {}).get("tensor"):  # the cut between them
         tail = {"nodes": [], "inputs": [rows[TAIL_FROM]["tensor"]], "outputs": [rows[TAIL_TO]["tensor"]]}
         rows[TAIL] = stage_row(TAIL, dict(ref["stages"])[TAIL], tail, values, local_ref, source, out, run)
+    rows.update(glue_rows(model, groups, rows, values, local_ref, source, out, run))
     if dur is not None:
         rows["pred_dur"] = {"what": "durations (Round, Clip)", "mapped": True, "tensor": dur,
                             "chained": np.asarray(values[dur]).reshape(-1)}
@@ -434,6 +438,7 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
                                     runtime)
     if not result.ok:
         return _no_stages(rec, f"localization failed: {result.error}", log)
+    judge_references(ref, rows, caps)
     table = judge_modules(ran, skipped, rows, ref, caps, comparator(tol), noisy)
     names = result.value["names"] + (f"; references with {'+'.join(variant)}" if variant else "")
     key = next((k for k in ("step", "port_stage") if k in where), None)
@@ -532,6 +537,11 @@ def judge_modules(ran: dict, skipped: dict, rows: dict, ref: dict, caps: dict, c
         if path in skipped:
             table.append({"stage": path, "what": ran["types"][path], "mapped": False, "why": skipped[path]})
         elif path in rows:
+            if path + INPUT_SUFFIX in rows:  # the ops computing its input outside every stage (onnx_glue)
+                entry = judge_module(path + INPUT_SUFFIX, rows[path + INPUT_SUFFIX], ref, check, path in after, noisy)
+                if (f"{path}:in", "float64") not in caps:
+                    entry["note"] = "no float64 capture of its input: against float32, the tolerance alone"
+                table.append(fed_otherwise(entry))
             entry = judge_module(path, rows[path], ref, check, path in after, noisy)
             if entry.get("mapped") and (f"{path}:out", "float64") not in caps:
                 entry["note"] = "no float64 capture (run packed in float64): against float32, the tolerance alone"

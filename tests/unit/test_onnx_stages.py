@@ -2,9 +2,10 @@
 localize_modules, its ONNX side harness/port/onnx_stages.py) on the random model's tiny
 case: a whole-model ONNX exported here with the module names of the packaged int8 export
 (`/encoder/predictor/lstm/...`, `/decoder/decoder/generator/m_source/...`), cut as that export cuts
-the harmonic source (the voiced mask computed outside it: a tensor no reference has), with two
-independent defects, one in the source and one on the inverse STFT after it. Every defect is named,
-ranked by what taking it out alone does to the audio, and the source is judged locally."""
+the harmonic source (the voiced mask computed outside it: a tensor no reference has), with three
+independent defects: one in the source, one on the inverse STFT after it, and one in no stage (an
+unnamed Mul on the generator's own ops). Every defect is named, ranked by what taking it out alone
+does to the audio, and the source is judged locally."""
 from __future__ import annotations
 
 import re
@@ -20,6 +21,8 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 SOURCE_GAIN, ISTFT_GAIN = 1.3, 1.5
+BETWEEN = "/decoder/decoder/generator/Div_output_0"  # the generator's own `xs / num_kernels`, before ups.1
+BETWEEN_GAIN = 1.3
 
 
 class _Duration(nn.Module):
@@ -152,7 +155,7 @@ def export_whole(model, traces, path: Path, source_gain: float = 1.0, istft_gain
 
 @pytest.fixture(scope="module")
 def localized(tmp_path_factory):
-    """The two-defect artifact localized once (shared by the tests below); its verdict (the noise
+    """The three-defect artifact localized once (shared by the tests below); its verdict (the noise
     band's, `test_port.py`) is not what these tests are about: a failing record stands for it."""
     from harness.port.chain import port_items
     from harness.port.chain_localize import localize_item
@@ -162,7 +165,8 @@ def localized(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("onnx_stages")
     with tiny_session_at(root, run_s=300) as s:
-        path = export_whole(s.model, s.traces("tiny"), root / "two.onnx", SOURCE_GAIN, ISTFT_GAIN)
+        two = export_whole(s.model, s.traces("tiny"), root / "two.onnx", SOURCE_GAIN, ISTFT_GAIN)
+        path = scaled(two, root / "three.onnx", BETWEEN, BETWEEN_GAIN)
         (item,) = port_items(s, [f"e2e={path}"])
         rec = Record(item.case, item.step, item.backend, item.mode, Verdict.FAIL, "audio outside its noise band")
         lines = []
@@ -177,24 +181,25 @@ def _gain(kind: str) -> float:
 
 
 @pytest.mark.slow
-def test_two_independent_defects_are_both_named_and_ranked_by_their_audio_effect(localized):
+def test_three_independent_defects_are_each_named_and_ranked_by_their_audio_effect(localized):
     rec, text = localized
     print(text)
     b = rec.bisect
     assert b["kind"] == "onnx-stages" and b["noise"] == "draws its own", b
     defects = {d["stage"]: d for d in b["defects"]}
-    assert set(defects) == {"decoder.generator.m_source", "decoder.generator.istft"}, text
+    assert set(defects) == {"decoder.generator.m_source", "decoder.generator.istft",
+                            "decoder.generator.ups.1:input"}, text
     assert _gain(defects["decoder.generator.istft"]["kind"]) == pytest.approx(ISTFT_GAIN, abs=0.01), text
     assert _gain(defects["decoder.generator.m_source"]["kind"]) == pytest.approx(SOURCE_GAIN, abs=0.03), text
     # the inverse STFT's gain taken out is the audio x1.5 against x1 (SNR 6.02 dB); the source's
     # gain (on the tiny case's unvoiced source: its noise and DC) moves the random model's audio less
     assert abs(defects["decoder.generator.istft"]["moves_audio_snr_db"] - 6.02) < 0.05, text
     assert defects["decoder.generator.m_source"]["moves_audio_snr_db"] > 10, text
-    assert [d["stage"] for d in b["defects"]] == ["decoder.generator.istft", "decoder.generator.m_source"], text
-    assert [d["rank"] for d in b["defects"]] == [1, 2]
-    assert "2 defects: decoder.generator.istft (constant gain x1.4" in rec.reason, rec.reason
+    assert b["defects"][0]["stage"] == "decoder.generator.istft", text
+    assert [d["rank"] for d in b["defects"]] == [1, 2, 3]
+    assert "3 defects: decoder.generator.istft (constant gain x1.4" in rec.reason, rec.reason
     assert rec.reason.index("istft (") < rec.reason.index("m_source (constant gain x1.3"), rec.reason
-    assert "2 defects (ranked by their effect on the audio, each taken out alone):" in text
+    assert "3 defects (ranked by their effect on the audio, each taken out alone):" in text
 
 
 @pytest.mark.slow
@@ -228,7 +233,42 @@ def test_every_module_the_names_reach_is_a_stage_of_the_whole_file(localized):
     assert rows["pred_dur"]["mapped"] and "audio" in rows, text
     # the modules holding the two (the generator, the decoder) are stages too, not named: the innermost are
     assert rows["decoder.generator"]["mapped"] and rows["decoder"]["mapped"], text
-    assert {d["stage"] for d in rec.bisect["defects"]} == {"decoder.generator.m_source", "decoder.generator.istft"}
+    assert {d["stage"] for d in rec.bisect["defects"]} == {"decoder.generator.m_source", "decoder.generator.istft",
+                                                         "decoder.generator.ups.1:input"}
+
+
+def scaled(src: Path, dst: Path, tensor: str, factor: float, name: str = "") -> Path:
+    """`src` with `tensor` multiplied by `factor` wherever it is read, by a Mul named `name` (none:
+    what a hand edit or an optimizer may leave, in no module's scope)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(src))
+    out = f"{tensor}_scaled"
+    for node in model.graph.node:
+        node.input[:] = [out if x == tensor else x for x in node.input]
+    at = next(i for i, node in enumerate(model.graph.node) if tensor in node.output)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float32), f"{out}_factor"))
+    model.graph.node.insert(at + 1, helper.make_node("Mul", [tensor, f"{out}_factor"], [out], name=name))
+    onnx.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.slow
+def test_a_defect_between_stages_in_a_node_no_scope_names_is_named_at_the_input_it_computes(localized):
+    """The unnamed Mul lies in no stage (placed in the generator, whose own ops sit between its
+    children): it is named as the input of the stage it feeds, with its kind, and every other
+    input row holds."""
+    rec, text = localized
+    defects = {d["stage"]: d for d in rec.bisect["defects"]}
+    assert _gain(defects["decoder.generator.ups.1:input"]["kind"]) == pytest.approx(BETWEEN_GAIN, abs=0.01), text
+    rows = {e["stage"]: e for e in rec.bisect["stages"]}
+    inputs = [p for p in rows if p.endswith(":input")]
+    assert "decoder.generator.resblocks.0:input" in inputs and len(inputs) > 3, text  # x + x_source, and others
+    assert all(rows[p]["local"]["ok"] for p in inputs if p != "decoder.generator.ups.1:input" and "local" in rows[p])
+    assert "LeakyRelu" in rows["decoder.generator.ups.1:input"]["what"], rows["decoder.generator.ups.1:input"]
+    assert "decoder.generator" not in defects, text  # the parent holding it is not named
 
 
 def test_stages_are_counted_from_the_models_top_and_a_one_module_file_is_its_inside():

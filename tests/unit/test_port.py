@@ -369,6 +369,24 @@ def test_difference_kinds():
     assert difference_kind(nan, ref).startswith("NaN/Inf (1 values)")
 
 
+def test_an_angle_on_the_other_side_of_its_branch_cut_counts_as_the_references():
+    """An STFT phase written -pi where the reference has +pi (an atan2 whose imaginary part is a
+    rounding-level -0) is the same angle: a stage that differs only there holds, and says how many;
+    a gain beside the wraps still fails."""
+    from harness.port.onnx_stages import judge_row
+    from harness.verdict import Tolerance, comparator
+
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.rand(1, 2000, generator=g) * 2 * math.pi - math.pi).double()
+    ref[0, :100] = math.pi
+    local = ref.clone().float()
+    local[0, :100] = -math.pi
+    entry = judge_row({}, {"local": local.numpy()}, ref.float(), ref, comparator(Tolerance()))
+    assert entry["local"]["ok"] and entry["local"]["wrapped"].startswith("100 of 2000 angles"), entry
+    entry = judge_row({}, {"local": (local * 1.3).numpy()}, ref.float(), ref, comparator(Tolerance()))
+    assert not entry["local"]["ok"], entry
+
+
 def test_band_comparator_directions():
     from harness.verdict import Tolerance, band_comparator
 
@@ -577,6 +595,12 @@ def test_durations_rounded_differently_are_named_at_their_stage(port_session, tm
     assert not rec.stages[0]["local_ok"]
 
 
+# The packaged int8 file's own defect: its inverse STFT's constant gain (x1.499). Its STFT of the
+# harmonic source writes the phase -pi where PyTorch's atan2 gives +pi (about 2 % of the bins, where
+# the imaginary part is exactly 0): the same angles, counted as the reference's, no defect.
+INT8_OWN = ("decoder.generator.istft",)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KOKORO_PARITY_HEAVY_TESTS"),
                     reason="a real-model run (about 10 min per case on 2 cores): `make heavy-tests`")
@@ -607,12 +631,14 @@ def test_the_packaged_int8_onnx_is_judged_and_localized_to_the_end(tmp_path, cas
     assert b["kind"] == "onnx-stages" and b["noise"] == "none drawn"
     mapped = [e["stage"] for e in b["stages"] if e["mapped"]]
     assert {"bert_encoder", "predictor.F0_proj", "decoder.generator.conv_post", "audio"} <= set(mapped)
-    # every module its names reach is a stage (the F0 blocks, the generator's resblocks ...), and the one
-    # defect among them all is the inverse STFT's constant gain
+    # every module its names reach is a stage (the F0 blocks, the generator's resblocks ...), and so is
+    # each input its ops compute between them; the one defect among them all is the file's own
     assert {"predictor.F0.1", "decoder.decode.0", "decoder.generator.resblocks.0",
-            "decoder.generator.noise_convs.1"} <= set(mapped)
-    assert [d["stage"] for d in b["defects"]] == ["decoder.generator.istft"], "\n".join(lines)
+            "decoder.generator.noise_convs.1", "decoder.generator.resblocks.0:input"} <= set(mapped)
+    assert [d["stage"] for d in b["defects"]] == list(INT8_OWN), "\n".join(lines)
     assert "gain" in b["defects"][0]["kind"], b["defects"]
+    wrap = next(e for e in b["stages"] if e["stage"] == "decoder.generator.noise_convs.0:input")
+    assert wrap["local"]["ok"] and "branch cut" in wrap["local"]["wrapped"], wrap
     if b.get("repro"):
         done = subprocess.run([sys.executable, str(Path(b["repro"]) / "repro.py")], capture_output=True, text=True)
         assert done.returncode in (0, 1), done.stdout + done.stderr
@@ -768,15 +794,16 @@ def test_the_packaged_int8_onnx_cut_at_its_own_names_gives_the_whole_models_find
     rec = json.loads(path.read_text())
     assert rec["verdict"] == "fail", rec["reason"]
     defects = rec["bisect"]["defects"]
-    assert [(d["stage"], d["module"]) for d in defects] == [("vocoder", "decoder.generator.istft")], rec["reason"]
+    assert [(d["stage"], d["module"]) for d in defects] == [("vocoder", m) for m in INT8_OWN], rec["reason"]
     assert "gain" in defects[0]["kind"], defects
 
 
-def with_defect(src: Path, dst: Path, tensor: str, factor: float) -> Path:
+def with_defect(src: Path, dst: Path, tensor: str, factor: float, named: bool = True) -> Path:
     """`src` with one tensor multiplied by `factor` wherever it is read: a defect injected inside
-    one module (the Mul named in its producer's scope, as an exporter names a module's nodes). The
-    tensor keeps its name (its readers take the scaled copy), so the cuts at the export's own
-    names still apply to the file with the defect."""
+    one module (the Mul named in its producer's scope, as an exporter names a module's nodes; or,
+    `named=False`, in no scope, as a hand edit or an optimizer may leave it). The tensor keeps its
+    name (its readers take the scaled copy), so the cuts at the export's own names still apply to
+    the file with the defect."""
     model = onnx.load(str(src))
     scaled = f"{tensor}_times_{factor:g}"
     for node in model.graph.node:
@@ -784,18 +811,23 @@ def with_defect(src: Path, dst: Path, tensor: str, factor: float) -> Path:
     at, producer = next((i, node) for i, node in enumerate(model.graph.node) if tensor in node.output)
     model.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float32), f"{scaled}_factor"))
     model.graph.node.insert(at + 1, helper.make_node("Mul", [tensor, f"{scaled}_factor"], [scaled],
-                                                     name=producer.name.rsplit("/", 1)[0] + "/Mul_defect"))
+                                                     name=producer.name.rsplit("/", 1)[0] + "/Mul_defect"
+                                                     if named else ""))
     onnx.save(model, str(dst))
     return dst
 
 
-# A defect injected into each stage of the 2-stage cut: (tensor of the int8 file, factor, the module
-# it is inside, a word of its kind). The sign flip is inside the front (an F0 block's shortcut
-# convolution); the gain is on the harmonic source's output, which draws its own noise.
+# A defect injected into the int8 file: (the stage of the 2-stage cut it is in, tensor, factor, what
+# is named, a word of its kind, whether its Mul is named). The sign flip is inside the front (an F0
+# block's shortcut convolution); the gain on the harmonic source's output, which draws its own
+# noise; the unnamed gain on the generator's own `xs / num_kernels`, between its first resblocks and
+# its second upsampler, in no module's scope: named as the input of the stage it feeds.
 INT8_DEFECTS = {
-    "front": ("/encoder/F0.1/conv1x1/Conv_output_0", -1.0, "predictor.F0.1.conv1x1", "sign flip"),
-    "vocoder": ("/decoder/decoder/generator/m_source/l_tanh/Tanh_output_0", 1.3, "decoder.generator.m_source",
-                "gain"),
+    "front": ("front", "/encoder/F0.1/conv1x1/Conv_output_0", -1.0, "predictor.F0.1.conv1x1", "sign flip", True),
+    "vocoder": ("vocoder", "/decoder/decoder/generator/m_source/l_tanh/Tanh_output_0", 1.3,
+                "decoder.generator.m_source", "gain", True),
+    "between": ("vocoder", "/decoder/decoder/generator/Div_2_output_0", 1.3, "decoder.generator.ups.1:input", "gain",
+                False),
 }
 
 
@@ -807,7 +839,7 @@ INT8_DEFECTS = {
 def test_a_defect_injected_into_the_packaged_int8_onnx_is_named_at_its_stage_with_its_kind(tmp_path, form, stage):
     """The packaged int8 file with one defect injected, judged whole (`check --bisect`) and cut at
     its own names into two stages (`run --port --bisect`): the injected module is named with its
-    kind, beside the file's own inverse-STFT gain, and no other defect."""
+    kind, beside the file's own inverse-STFT gain (INT8_OWN), and no other defect."""
     import json
 
     from onnx.utils import extract_model
@@ -815,12 +847,13 @@ def test_a_defect_injected_into_the_packaged_int8_onnx_is_named_at_its_stage_wit
     from harness import cli
     from harness.onnx_rebuild import assemble_onnx
 
-    tensor, factor, module, kind = INT8_DEFECTS[stage]
-    whole = with_defect(assemble_onnx(tmp_path / "clean.onnx"), tmp_path / "kokoro-int8-defect.onnx", tensor, factor)
+    port_stage, tensor, factor, module, kind, named = INT8_DEFECTS[stage]
+    whole = with_defect(assemble_onnx(tmp_path / "clean.onnx"), tmp_path / "kokoro-int8-defect.onnx", tensor, factor,
+                        named)
     reports = tmp_path / "reports"
     if form == "whole":
         cli.main(["check", str(whole), "--case", "en_short", "--bisect", "--report-dir", str(reports)])
-        want = {("", module), ("", "decoder.generator.istft")}
+        want = {("", module), *(("", m) for m in INT8_OWN)}
     else:
         stages = []
         for name in ("front", "vocoder"):
@@ -830,7 +863,7 @@ def test_a_defect_injected_into_the_packaged_int8_onnx_is_named_at_its_stage_wit
         port = tmp_path / "port.yaml"
         assert cli.main(["port", "init", *stages, "--out", str(port), "--case", "en_short"]) == 0
         cli.main(["run", "--port", str(port), "--case", "en_short", "--bisect", "--report-dir", str(reports)])
-        want = {(stage, module), ("vocoder", "decoder.generator.istft")}
+        want = {(port_stage, module), *(("vocoder", m) for m in INT8_OWN)}
     (path,) = (reports / "records").glob("*.json")
     rec = json.loads(path.read_text())
     assert rec["verdict"] == "fail", rec["reason"]
@@ -867,5 +900,5 @@ def test_the_packaged_int8_onnx_in_the_browser_is_localized_there_to_the_same_de
     b = rec["bisect"]
     assert b["judged_on"] == "ort-web-wasm" and "onnxruntime-web" in b["runtime"], b
     assert b["first_stage"] == "decoder.generator.istft"
-    assert [d["stage"] for d in b["defects"]] == ["decoder.generator.istft"], b["defects"]
+    assert [d["stage"] for d in b["defects"]] == list(INT8_OWN), b["defects"]
     assert "gain" in b["defects"][0]["kind"]
