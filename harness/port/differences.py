@@ -10,6 +10,7 @@ import torch
 
 MAX_SHIFT = 64  # samples (or positions) tried when naming a difference a shift
 
+
 def wraps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Where `out` and `ref`, each within [-pi, pi] there, differ by about 2*pi (the same angle
     within half a radian): one angle written +pi by one and -pi by the other, an atan2 whose
