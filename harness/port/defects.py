@@ -72,7 +72,7 @@ def harmonic_magnitudes(x, frame: int = SAMPLES_PER_FRAME, rate: int = SAMPLE_RA
 
 @functools.lru_cache(maxsize=4)
 def _mel(rate: int, n_fft: int, bands: int) -> torch.Tensor:
-    import librosa  # imported at first use (its import costs seconds), as in harness.metrics.audio
+    import librosa  # lazy: a slow import (seconds), as in harness.metrics.audio
 
     return torch.from_numpy(librosa.filters.mel(sr=rate, n_fft=n_fft, n_mels=bands, norm=None)).double()
 
