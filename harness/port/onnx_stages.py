@@ -248,7 +248,7 @@ def _local(artifact: Path, group: dict, tensor: str, ref: dict, path: str, value
 
 
 def run_cut(artifact: Path, feed: dict, fed: dict, tensor: str, ref: dict, path: str, where: Path,
-             run=run_onnx) -> dict:
+            run=run_onnx) -> dict:
     """The module's subgraph (inputs `feed`, output `tensor`) cut out of the artifact and run."""
     for k, v in ref["feed"].items():  # the graph's inputs, for what the cut reaches through shapes
         feed.setdefault(k, v)
@@ -373,7 +373,7 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
         row = rows[e["stage"]]
         raw = np.asarray(row["chained_raw"])
         fixed = in_layout(without_own_error(row["chained"], row["local"], ref["fp32"][e["stage"]],
-                                             e["local"].get("judged_by")), raw)
+                                            e["local"].get("judged_by")), raw)
         if row["tensor"] == audio_tensor:  # the stage's output is the audio itself
             pairs[e["stage"]] = (raw.reshape(-1), fixed.reshape(-1))
         else:
