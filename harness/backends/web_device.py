@@ -6,7 +6,9 @@ same page (web/runner.html in device mode), onnxruntime-web's files, the model a
 one PageServer, prints its URL and waits for a browser to open it. The page polls `/next`, runs
 each run it is given and posts the outputs' bytes and its answer back, so one page load serves
 every item of the session. The server listens on loopback unless the targets file names another
-address, and serves only the harness's own files of the run under way.
+address, serves only the harness's own files of the run under way, and answers only requests that
+carry the run's key: a random token in the printed URL, kept by the device's browser as a cookie
+(on a LAN address, another machine that finds the port gets 403, not the model or a run to answer).
 
 The run job runs in this process; the browser is the isolation. The page holds an event stream
 (`/alive`) open for as long as it is there: when the page that took a run goes away before
@@ -23,6 +25,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import secrets
 import threading
 import time
 import traceback
@@ -72,8 +75,10 @@ class Device:
 
     def __init__(self, host: str, port: int, wait_s: float) -> None:
         self.wait_s = wait_s
+        self.key = secrets.token_urlsafe(12)  # this run's: a page without it gets nothing (PageServer.admits)
         self.server = PageServer(files=page_files(), trees={"/ort/": web_dir() / "node_modules" / NPM_PACKAGE / "dist"},
-                                 routes={"/next": self._next}, streams={"/alive": self._alive}, host=host, port=port)
+                                 routes={"/next": self._next}, streams={"/alive": self._alive}, host=host, port=port,
+                                 key=self.key)
         self._lock = threading.Lock()
         self._pending: dict | None = None  # the run no page has taken yet
         self._taken = threading.Event()
@@ -89,7 +94,7 @@ class Device:
 
     @property
     def url(self) -> str:
-        return self.server.url + PAGE
+        return f"{self.server.url}{PAGE}&key={self.key}"
 
     def start(self) -> None:
         if not self._started:

@@ -12,6 +12,7 @@ same server, on another address only when its targets.yaml entry says so.
 from __future__ import annotations
 
 import atexit
+import hmac
 import json
 import os
 import select
@@ -47,6 +48,7 @@ RETRY_MS = 500  # how soon a page's EventSource reconnects after a lost connecti
 # what a page may POST: outputs' bytes, a device page's answer and its description (user agent, adapter)
 POSTED = ("/output/", "/answer/", "/about/")
 LOOPBACK = "127.0.0.1"
+KEY_COOKIE = "kokoro_parity_key"  # suffixed with the port: a browser keeps cookies per host, not per port
 
 
 class PageServer:
@@ -61,17 +63,22 @@ class PageServer:
     An event stream (text/event-stream, a page's `EventSource`) gets a comment every BEAT_S for as
     long as the page holds it: a closed or crashed tab closes its connection, which the server
     sees at once (the socket reads as closed) or at the next comment (the write fails); a page
-    busy in a long synchronous run does not (the browser's network stack holds the connection)."""
+    busy in a long synchronous run does not (the browser's network stack holds the connection).
+
+    With a `key`, a request is answered only when it carries it: the URL's `?key=` (the URL the
+    harness prints; the answer sets it as a cookie) or that cookie (what the page's own fetches,
+    scripts and event stream send). Anyone else who reaches the address (another machine on the
+    LAN, another user of this one) gets 403 and neither the model, the inputs nor a run to answer."""
 
     def __init__(self, files: dict[str, Path] | None = None, trees: dict[str, Path] | None = None,
                  blobs: dict[str, bytes] | None = None, routes: dict | None = None,
-                 streams: dict | None = None, host: str = LOOPBACK, port: int = 0) -> None:
+                 streams: dict | None = None, host: str = LOOPBACK, port: int = 0, key: str | None = None) -> None:
         self.files = {k: Path(v) for k, v in (files or {}).items()}
         self.trees = {k.rstrip("/") + "/": Path(v) for k, v in (trees or {}).items()}
         self.blobs = dict(blobs or {})
         self.routes = dict(routes or {})
         self.streams = dict(streams or {})
-        self.host, self.port = host, port
+        self.host, self.port, self.key = host, port, key
         self.posted: dict[str, bytes] = {}
         self.requests: list[str] = []  # "GET /path 200", in order: what the page asked for
         self._server: ThreadingHTTPServer | None = None
@@ -106,6 +113,18 @@ class PageServer:
         for thread in streaming:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def admits(self, path: str, cookies: str) -> tuple[bool, str]:
+        """(whether a request for `path` with these Cookie headers may be answered, the Set-Cookie
+        header to send with the answer: the key's cookie when the URL carried it)."""
+        if self.key is None:
+            return True, ""
+        name = f"{KEY_COOKIE}_{self._server.server_address[1]}"
+        given = dict(parse_qsl(path.partition("?")[2])).get("key", "")
+        if hmac.compare_digest(given.encode(), self.key.encode()):
+            return True, f"{name}={self.key}; Path=/; HttpOnly; SameSite=Strict"
+        jar = dict(part.strip().partition("=")[::2] for part in cookies.split(";") if "=" in part)
+        return hmac.compare_digest(jar.get(name, "").encode(), self.key.encode()), ""
+
     def resolve(self, path: str) -> Path | bytes | None:
         """What a GET of `path` serves: a file, bytes, or None (404). A tree never serves outside itself."""
         path, _, query = path.partition("?")
@@ -125,7 +144,22 @@ class PageServer:
 
 def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        def refused(self) -> bool:
+            """Answer 403 to a request without the server's key (see PageServer.admits)."""
+            ok, self.cookie = server.admits(self.path, "; ".join(self.headers.get_all("Cookie") or []))
+            if not ok:
+                server.requests.append(f"{self.command} {self.path.partition('?')[0]} 403")
+                self.send_error(403, "kokoro-parity: open the URL the harness printed (it carries the run's key)")
+            return not ok
+
+        def end_headers(self) -> None:
+            if getattr(self, "cookie", ""):
+                self.send_header("Set-Cookie", self.cookie)
+            super().end_headers()
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.refused():
+                return
             path, _, query = self.path.partition("?")
             if path in server.streams:
                 self.stream(server.streams[path], dict(parse_qsl(query)))
@@ -152,6 +186,8 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         def do_POST(self) -> None:  # noqa: N802
+            if self.refused():
+                return
             if not self.path.startswith(POSTED):
                 self.send_error(404)
                 return

@@ -724,7 +724,7 @@ def test_a_device_page_nobody_opens_is_the_items_skip_never_a_pass(tiny, tmp_pat
         tiny._targets.pop("nobody").close()
     err = capsys.readouterr().err
     assert rec.verdict is Verdict.SKIPPED and "no browser opened the URL within 2 s" in rec.reason, rec.reason
-    assert re.search(r"open http://127\.0\.0\.1:\d+/runner\.html\?device on the device \(waiting up to 2 s\)", err)
+    assert re.search(r"open http://127\.0\.0\.1:\d+/runner\.html\?device&key=[\w-]+ on the device \(waiting up to 2 s\)", err)
     assert "kokoro-parity: waiting for a browser at http://127.0.0.1:" in err  # the progress line
 
 
@@ -745,11 +745,32 @@ def test_a_browser_target_listens_on_loopback_unless_its_entry_names_an_address(
     device = DeviceTarget(phone.name, phone.spec)
     try:
         device.device.start()
-        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/runner\.html\?device", device.device.url)
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/runner\.html\?device&key=[\w-]{16}", device.device.url)
         assert device.describe() == {"name": "phone", "kind": "browser"}
         assert not device.runnable(get_backend("onnxruntime"))[0] and device.runnable(get_backend("ort-web-wasm"))[0]
+        assert_only_the_key_is_answered(device.device)
     finally:
         device.close()
+
+
+def assert_only_the_key_is_answered(device):
+    """Without the run's key (in the printed URL, then as the cookie its answer sets) every request
+    is refused, a run to take and an answer to post included; with it, the page and its files come."""
+    import urllib.error
+    import urllib.request
+
+    base = device.server.url
+    for path, data in (("/runner.html?device", None), ("/next?page=1", None), ("/runner.js", None),
+                       ("/answer/1", b"{}"), (f"/runner.html?device&key={device.key[:-1]}x", None)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(base + path, data=data), timeout=10)
+        assert e.value.code == 403, path
+    assert not device.server.posted
+    with urllib.request.urlopen(device.url, timeout=10) as answer:
+        cookie = answer.headers["Set-Cookie"].split(";")[0]
+        assert answer.status == 200 and b"runner.js" in answer.read() and cookie.endswith("=" + device.key)
+    with urllib.request.urlopen(urllib.request.Request(base + "/runner.js", headers={"Cookie": cookie}), timeout=10) as js:
+        assert js.status == 200
 
 
 def _stuck_page(browser, url: str):
