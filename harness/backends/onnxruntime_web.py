@@ -385,6 +385,38 @@ def run_audit(answer: dict, console: list[str], browser: dict, cfg: dict) -> dic
     return audit
 
 
+class DevicePages:
+    """A BrowserSession's face on a browser target's device (`on_device`): each run goes to the
+    page on the user's device, so that a localization names what *that* browser computes wrong."""
+
+    launches = 0  # the device's browser is the user's: none started here
+
+    def __init__(self, device, execution_provider: str, bundle: str) -> None:
+        self.device, self.execution_provider, self.bundle = device, execution_provider, bundle
+
+    def __enter__(self) -> "DevicePages":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @property
+    def ort_files(self) -> set[str]:
+        """What the device's pages loaded from onnxruntime-web's dist/ (the server's request log)."""
+        return {path.removeprefix("/ort/") for path in set(self.device.server.served) if path.startswith("/ort/")}
+
+    def run(self, model: Path, feed: dict) -> tuple[dict, dict]:
+        return self.device.run(model, feed, self.execution_provider, self.bundle)
+
+
+def stage_pages(execution_provider: str, bundle: str):
+    """Where a localizer's runs go: the device's page when a browser target takes this process's
+    runs (`on_device`), else one headless Chromium here (a context manager either way)."""
+    if _device is not None:
+        return DevicePages(_device, execution_provider, bundle)
+    return BrowserSession(execution_provider, bundle)
+
+
 class BrowserRunner:
     """A localizer's runner on onnxruntime-web, as `run_onnx` is on onnxruntime CPU: (ONNX path,
     {name: array}, output names or None) -> {name: array}, each run in a fresh page of `session`.

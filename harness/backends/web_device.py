@@ -39,7 +39,10 @@ from .onnxruntime_web import (NO_F16, NPM_PACKAGE, OrtWebBackend, PageCrashed, n
                               read_outputs, run_audit, stage_job, web_dir)
 from .web_page import LOOPBACK, PageServer
 
-RUN_FUNCTION = "harness.backends:run_artifact_job"  # the only job a device takes: an ort-web-* run
+RUN_FUNCTION = "harness.backends:run_artifact_job"  # an ort-web-* run
+# ... and a localization's: the marked model, each stage's subgraph and the defects' effects run on
+# the device's page too (harness.port.onnx_stages.stage_runner), so `--bisect` names what it computes wrong
+DEVICE_JOBS = (RUN_FUNCTION, "harness.port.onnx_steps:localize_job", "harness.port.onnx_stages:effects_job")
 PROGRESS_S = 10  # a progress line this often while no browser has come
 SEEN_S = 3  # a page that polled this recently is there: no need to print the URL again
 PAGE = "/runner.html?device"
@@ -224,7 +227,7 @@ class DeviceTarget(BrowserTarget):
     def run_job(self, function, kwargs, workdir, timeout, files=None, warm=False, preload=None) -> JobResult:
         """The job's function here, its browser runs on the device; the record's `target` gets the
         device's user agent and adapter (`extra["device_target"]`)."""
-        if function != RUN_FUNCTION or not takes(get_backend(kwargs["backend"])):
+        if function not in DEVICE_JOBS or not takes(get_backend(kwargs.get("backend") or kwargs["runtime"])):
             raise TargetUnreachable(self.runnable(object())[1])
         module, _, name = function.partition(":")
         Path(workdir).mkdir(parents=True, exist_ok=True)

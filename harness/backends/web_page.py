@@ -81,6 +81,7 @@ class PageServer:
         self.host, self.port, self.key = host, port, key
         self.posted: dict[str, bytes] = {}
         self.requests: list[str] = []  # "GET /path 200", in order: what the page asked for
+        self.served: set[str] = set()  # every path answered 200 since the server started (not cleared per run)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()  # the streams' handlers end when set
@@ -166,6 +167,8 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
                 return
             what = server.resolve(self.path)
             server.requests.append(f"GET {self.path} {200 if what is not None else 404}")
+            if what is not None:
+                server.served.add(path)
             if what is None:
                 self.send_error(404)
                 return

@@ -82,7 +82,7 @@ class Bisector:
     def __init__(self, program_path: Path, program_key: str, inputs: list, backend: str, tol, step: str,
                  report_dir: Path, item_id: str, limits=None, depth: int = 2,
                  log: Callable[[str], None] | None = None, errors_count: bool = False,
-                 band_from: str | None = None):
+                 band_from: str | None = None, page=None):
         self.program_key, self.item_id, self.depth, self.errors_count = program_key, item_id, depth, errors_count
         self.log = log or (lambda msg: None)
         self.backend = get_backend(backend)
@@ -101,6 +101,7 @@ class Bisector:
         self.band = get_backend(band_from) if band_from else None  # what this backend does when right
         self.band_result: dict | None = None
         self.band_values: dict = {}
+        self.page = page  # the browser target (a page on the user's device) the item ran on: probes run there
 
     @classmethod
     def for_item(cls, session, item, depth: int = 2, log=None, verdict: str = "fail",
@@ -112,9 +113,11 @@ class Bisector:
                                             session.patches_for(backend), session.limits.export_s, session.counts)
         if result is not None and not result.ok:
             raise BisectError(f"the step does not export: {result.error}")
+        place = session.target_for(item.target) if getattr(item, "target", "local") != "local" else None
         return cls(entry / "program.pt2", key, list(inputs.values()), item.backend,
                    session.profile.for_(item.step, item.backend, item.mode), item.step, session.report_dir,
-                   item.id, session.limits, depth, log, errors_count=verdict in ERRORS, band_from=band_from)
+                   item.id, session.limits, depth, log, errors_count=verdict in ERRORS, band_from=band_from,
+                   page=place if place is not None and place.kind == "browser" else None)
 
     # -- one probe ------------------------------------------------------------------------
     def probe(self, phase: str, label: str, outputs: list[str], stop=(), feed: dict | None = None,
@@ -367,7 +370,7 @@ class Bisector:
 
     # -- the whole localization -----------------------------------------------------------
     def run(self, repro: bool = True, verify: bool = True) -> dict:
-        with probe_worker():  # every probe's compile and run in one process, its imports paid once
+        with probe_worker(self.page):  # every probe's compile and run in one process, its imports paid once
             return self._run(repro, verify)
 
     def _run(self, repro: bool, verify: bool) -> dict:
@@ -379,6 +382,10 @@ class Bisector:
         if self.band_result is not None:
             out["band"] = self.band_result
         out["module_compiles"] = self.counts["module_compiles"]
+        if self.page is not None:  # every probe of the item's backend ran on the device's page
+            out["ran_on"] = self.page.describe()
+            self.log(f"the probes ran on target {self.page.name!r}: the page on the user's device "
+                     f"({(self.page.device.seen or {}).get('user_agent', '?')})")
         out["first_module"] = strip_kmodel(first["path"]) if first else None
         out["region"] = f"module {out['first_module']}" if first else f"step {self.step.name}"
         self.log(f"op-level bisection in {out['region']}")

@@ -19,6 +19,7 @@ from ..metrics.tensor import compare_to_floor
 from ..plumbing import cache
 from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
 from ..plumbing.jobs import JobResult, run_job
+from ..plumbing.targets import TargetUnreachable
 from ..plumbing.worker import JobProcess
 from .graph import BisectError, evaluate, restore_names
 
@@ -100,22 +101,25 @@ def export_probe(graph, outputs: list[str], stop) -> tuple[Any, list[str], list,
 
 PROBES_PER_PROCESS = 12  # a worker that lowered this many probes is replaced (its memory grows)
 _WORKER: JobProcess | None = None
+_PAGE = None  # a browser target (web_device.DeviceTarget) whose page runs the probes: the item ran there
+RUN_JOB = "harness.backends:run_artifact_job"
 
 
 @contextlib.contextmanager
-def probe_worker():
+def probe_worker(page=None):
     """One process for a localization's probe jobs. A fresh child per probe paid torch's and the
     runtime's imports each time (coremltools about 8 s, ExecuTorch 6 s) for a compile of a few
     seconds; the worker pays them once. Isolation stays a job's (harness.plumbing.worker): a
     probe that crashes its process or outlives its limit is that probe's outcome, and the next
-    probe starts a new process."""
-    global _WORKER
-    outer, _WORKER = _WORKER, JobProcess(max_jobs=PROBES_PER_PROCESS)
+    probe starts a new process. `page`: the browser target of an item that ran on the user's
+    device; each probe compiles here and runs on that page, as the item did."""
+    global _WORKER, _PAGE
+    (outer, _WORKER), (outer_page, _PAGE) = (_WORKER, JobProcess(max_jobs=PROBES_PER_PROCESS)), (_PAGE, page)
     try:
         yield
     finally:
         _WORKER.stop()
-        _WORKER = outer
+        _WORKER, _PAGE = outer, outer_page
 
 
 def _probe_job(function: str, kwargs: dict, workdir: Path, timeout: float) -> JobResult:
@@ -136,8 +140,10 @@ def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
     outputs_path.unlink(missing_ok=True)
     run_kwargs = dict(backend=backend.name, inputs_path=str(inputs_path or entry / "inputs.pt"),
                       outputs_path=str(outputs_path))
+    if _PAGE is not None and _PAGE.runnable(backend)[0]:  # an onnxruntime-web probe (not a band's backend)
+        return _run_on_page(backend, probe_key, entry, run_dir, limits, run_kwargs)
     if cache.lookup("artifacts", key):
-        result = _probe_job("harness.backends:run_artifact_job",
+        result = _probe_job(RUN_JOB,
                          dict(run_kwargs, artifact_path=str(cache.entry("artifacts", key) / backend.artifact_name)),
                          run_dir, limits.run_s)
         return (None if result.ok else "run"), result, False
@@ -160,6 +166,19 @@ def compile_and_run(backend, probe_key: str, entry: Path, run_dir: Path, limits,
 
 class _NotCompiled(Exception):
     pass
+
+
+def _run_on_page(backend, probe_key: str, entry: Path, run_dir: Path, limits, run_kwargs: dict):
+    """`compile_and_run` for an item on a browser target: compiled here, run on the device's page."""
+    failed, result, compiled = compile_only(backend, probe_key, entry, limits)
+    if failed:
+        return failed, result, compiled
+    artifact = cache.entry("artifacts", backend.artifact_key(probe_key)) / backend.artifact_name
+    try:
+        result = _PAGE.run_job(RUN_JOB, dict(run_kwargs, artifact_path=str(artifact)), run_dir, limits.run_s)
+    except TargetUnreachable as e:  # no page came: the probe cannot run (never a pass)
+        result = JobResult("error", error=f"target {_PAGE.name!r}: {e}")
+    return (None if result.ok else "run"), result, compiled
 
 
 def compile_only(backend, probe_key: str, entry: Path, limits) -> tuple[str | None, Any, bool]:

@@ -34,7 +34,7 @@ import onnx
 import torch
 
 from ..backends import get_backend
-from ..backends.onnxruntime_web import BrowserRunner, BrowserSession
+from ..backends.onnxruntime_web import BrowserRunner, stage_pages
 from ..backends.prebuilt import NATIVE
 from ..metrics import fmt
 from ..metrics.audio import audio_metrics
@@ -42,7 +42,8 @@ from ..metrics.tensor import compare_to_floor, error_metrics
 from ..patches import provide_noise, sample_noise
 from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write
-from ..plumbing.jobs import run_job
+from ..plumbing.jobs import JobResult, run_job
+from ..plumbing.targets import TargetUnreachable
 from ..record import OnnxStages
 from ..verdict import band_comparator
 from .defects import (OWN_NOISE_MEASURES, defects_reason, effect_text, envelope,  # noqa: F401
@@ -155,12 +156,13 @@ def float_boundaries(model, groups: dict) -> dict:
 def stage_runner(runtime: str = NATIVE):
     """What runs the marked model and every subgraph cut from it: onnxruntime CPU (`run_onnx`), or
     the browser runtime that judged the item (`--artifact-runtime ort-web-*`), one browser for all
-    of them, so that the stage named is the one the browser computes wrong."""
+    of them (the page on the user's device when the item ran there), so that the stage named is
+    the one that browser computes wrong."""
     if runtime == NATIVE:
         yield run_onnx
         return
     web = get_backend(runtime)
-    with BrowserSession(web.execution_provider, web.bundle) as session:
+    with stage_pages(web.execution_provider, web.bundle) as session:
         yield BrowserRunner(session)
 
 
@@ -315,16 +317,30 @@ def source_inputs(km, seen: dict) -> list[tuple[str, torch.Tensor]]:
             ("the voiced mask of the upsampled F0 (f0_upsamp, SineGen._f02uv)", mask(up))]
 
 
-def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path, runtime: str = NATIVE):
+def run_localize_job(session, job: str, artifact: Path, ref: dict, run_dir: Path, runtime: str = NATIVE,
+                     target: str = "local"):
     """The ONNX side of a localization in a child process (a crashing onnxruntime or browser stays
     there), its ONNX runs on `runtime` (`stage_runner`): the reference written beside it, then (job
     result, the job's stage rows or None). A page per run in the browser: a longer limit."""
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "reference.pt", lambda f: torch.save(ref, f))
-    result = run_job(job, dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"),
-                               out_dir=str(run_dir), runtime=runtime), run_dir / "job",
-                     session.limits.run_s * (2 if runtime == NATIVE else 4))
+    result = stages_job(session, job, dict(artifact=str(artifact), reference_path=str(run_dir / "reference.pt"),
+                                           out_dir=str(run_dir), runtime=runtime), run_dir / "job",
+                        session.limits.run_s * (2 if runtime == NATIVE else 4), target)
     return result, (torch.load(run_dir / "stages.pt", weights_only=False) if result.ok else None)
+
+
+def stages_job(session, job: str, kwargs: dict, workdir: Path, timeout: float, target: str = "local"):
+    """A localizer's job: in a child process here; for an item that ran on a browser target (a page
+    on the user's device), on that target, whose page then runs every stage (web_device.DeviceTarget)."""
+    if target != "local" and kwargs.get("runtime", NATIVE) != NATIVE:
+        place = session.target_for(target)
+        if place.kind == "browser":
+            try:
+                return place.run_job(job, kwargs, workdir, timeout)
+            except TargetUnreachable as e:  # no page came back: the localization says so
+                return JobResult("error", error=f"target {target!r}: {e}")
+    return run_job(job, kwargs, workdir, timeout)
 
 
 def judge_own_noise(local, r32: torch.Tensor, other: torch.Tensor, check) -> dict:
@@ -358,7 +374,7 @@ def judge_own_noise(local, r32: torch.Tensor, other: torch.Tensor, check) -> dic
 # ---- every defect, ranked by what taking it out alone does to the audio ------------------------
 
 def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: Path,
-                 runtime: str = NATIVE) -> list[dict]:
+                 runtime: str = NATIVE, target: str = "local") -> list[dict]:
     """Each stage whose local error leaves its tolerance, with its kind, its rank and its audio
     effect. Its own error is taken out of its chained output (`without_own_error`) and the
     artifact runs on from there; the same run fed the stage's own chained value gives the audio
@@ -379,7 +395,7 @@ def rank_defects(session, defects: list[dict], rows: dict, ref: dict, run_dir: P
         else:
             given[e["stage"]] = (row["tensor"], raw, fixed)
     if given:
-        pairs.update(run_effects(session, given, run_dir, runtime))
+        pairs.update(run_effects(session, given, run_dir, runtime, target))
     return score_defects(found_defects(defects, rows), pairs, ref["fp32"]["audio"].double().reshape(-1).numpy())
 
 
@@ -396,12 +412,12 @@ def in_layout(value: np.ndarray, raw: np.ndarray) -> np.ndarray:
     return min(layouts(value, raw.shape), key=lambda a: rel_l2(a, own)).astype(raw.dtype)
 
 
-def run_effects(session, given: dict, run_dir: Path, runtime: str = NATIVE) -> dict:
+def run_effects(session, given: dict, run_dir: Path, runtime: str = NATIVE, target: str = "local") -> dict:
     """{stage: (audio with its own value fed, audio with its error taken out)}, the artifact run
     in a child process on `runtime` as the stages ran; a stage whose runs fail is left out."""
     atomic_write(run_dir / "given.pt", lambda f: torch.save(given, f))
-    result = run_job("harness.port.onnx_stages:effects_job", dict(out_dir=str(run_dir), runtime=runtime),
-                     run_dir / "effects", session.limits.run_s * 4)
+    result = stages_job(session, "harness.port.onnx_stages:effects_job", dict(out_dir=str(run_dir), runtime=runtime),
+                        run_dir / "effects", session.limits.run_s * 4, target)
     return torch.load(run_dir / "effects.pt", weights_only=False) if result.ok else {}
 
 
@@ -607,8 +623,9 @@ def localized_on(rec, runtime: str, where: dict | None, log) -> None:
     if runtime == NATIVE or not isinstance(rec.bisect, OnnxStages):
         return
     web, browser = (where or {}).get("ort_web") or {}, (where or {}).get("browser") or {}
-    rec.bisect.runtime = (f"onnxruntime-web {web.get('version', '?')} {web.get('execution_provider', '?')} "
-                          f"(Chromium {browser.get('version', '?')})")
+    browser_is = (f"the device's browser, {browser.get('user_agent', '?')}" if browser.get("device")
+                  else f"Chromium {browser.get('version', '?')}")
+    rec.bisect.runtime = f"onnxruntime-web {web.get('version', '?')} {web.get('execution_provider', '?')} ({browser_is})"
     rec.bisect.judged_on = runtime
     rec.bisect.ran_on = where
     rec.bisect.note = (f"localized on {runtime}: the marked model and every stage's subgraph ran in "

@@ -435,7 +435,7 @@ def localize_modules(session, artifact: Path, case_id: str, ran: dict, feed: dic
                    audio=where.get("audio"))
     log(f"localizing inside {artifact.name} ({len(stages)} modules of {where['what']}): marking, extracting each ...")
     result, rows = run_localize_job(session, "harness.port.onnx_steps:localize_job", artifact, job_ref, run_dir,
-                                    runtime)
+                                    runtime, target_of(rec))
     if not result.ok:
         return _no_stages(rec, f"localization failed: {result.error}", log)
     judge_references(ref, rows, caps)
@@ -600,6 +600,11 @@ def defect_rows(table: list) -> list:
     return [e for e in failing if not any(n.startswith(e["stage"] + ".") for n in names)]
 
 
+def target_of(rec) -> str:
+    """The target the item ran on: a localization's runs go there too (a browser target's page)."""
+    return (rec.target or {}).get("name") or "local"
+
+
 def findings(session, case_id: str, rec, rows: dict, ref: dict, tol, run_dir: Path, where: dict, ran_where,
              runtime: str) -> None:
     """Into `rec.bisect`: the audio with the reference's durations forced against the noise band;
@@ -613,7 +618,7 @@ def findings(session, case_id: str, rec, rows: dict, ref: dict, tol, run_dir: Pa
     if not defects:
         return
     if audio.get("mapped"):
-        b.defects = rank_defects(session, defects, rows, ref, run_dir, runtime)
+        b.defects = rank_defects(session, defects, rows, ref, run_dir, runtime, target_of(rec))
     else:
         b.defects = score_defects([{**d, "unranked": f"{where['what']} does not output the audio"}
                                    for d in found_defects(defects, rows)], {}, np.zeros(0))

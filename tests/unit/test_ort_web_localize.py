@@ -148,3 +148,40 @@ def test_a_step_onnx_judged_in_the_browser_is_localized_there_and_its_bundle_pag
     print(node.stdout, node.stderr)
     assert node.returncode == 1, node.stdout + node.stderr
     assert "in Node.js v" in node.stdout and "predictor.duration_proj: rel_l2 5.000e-1" in node.stdout, node.stdout
+
+
+@pytest.mark.slow
+def test_bisect_on_a_device_item_runs_every_stage_and_probe_on_the_devices_page(tiny, tmp_path, capsys):
+    """`--target phone --bisect`: a user's step ONNX judged on the device's page is localized on
+    that page (its marked model, each stage's subgraph), not in a Chromium of this machine, and the
+    record names the device's browser; a backend step's probes run there too. The "phone" is a
+    second headless Chromium with its own user agent that opens the printed URL once."""
+    from harness import options, pipeline
+    from harness.artifacts import ArtifactItem
+    from harness.runner import Item
+    from harness.verdict import Verdict
+    from tests.unit.test_artifact_bisect import _export
+    from tests.unit.test_ort_web import PHONE_UA, _device_target, phone_opens
+
+    bad = _export(tiny, "duration", tmp_path / "bad.onnx", "predictor.duration_proj", 1.5)
+    _device_target(tiny, tmp_path, "phone", wait_s=60)
+    mine = ArtifactItem("tiny", "duration", str(bad), "dynamic", "ort-web-wasm", target="phone")
+    step = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
+    records, lines = [], []
+    with phone_opens(tiny, capsys, "phone", lambda: records.extend(
+            [pipeline.check(tiny, mine, options.Localize(), log=lines.append),
+             pipeline.check(tiny, step, options.Localize(depth=1, verify=False, force=True), log=lines.append)]),
+            lines, join_s=900) as page:
+        ran = int(page.inner_text("body").split(" run(s) done")[0].split()[-1])
+    print("\n".join(lines))
+    (rec, probed) = records
+    assert rec.verdict is Verdict.FAIL and rec.bisect["first_stage"] == "predictor.duration_proj", rec.reason
+    web = rec.bisect
+    assert web["runtime"] == f"onnxruntime-web {_pinned()} wasm (the device's browser, {PHONE_UA})"
+    assert web["ran_on"]["browser"] == {"user_agent": PHONE_UA, "device": True}
+    assert web["ran_on"]["browsers_started"] == 0 and "ort.wasm.min.mjs" in web["ran_on"]["ort_web"]["files"]
+    stage = next(e for e in web["stages"] if e["stage"] == "predictor.duration_proj")
+    assert stage["local"]["kind"] == "constant gain x1.5 (+3.52 dB)"
+    assert probed.verdict is Verdict.PASS and probed.bisect["ran_on"]["device"]["user_agent"] == PHONE_UA, probed.bisect
+    assert any("the probes ran on target 'phone'" in ln for ln in lines), lines
+    assert ran > 4, ran  # the items' runs, the marked model, the stages, the probes: all on the page
