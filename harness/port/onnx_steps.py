@@ -602,7 +602,7 @@ def defect_rows(table: list) -> list:
 
 def target_of(rec) -> str:
     """The target the item ran on: a localization's runs go there too (a browser target's page)."""
-    return (rec.target or {}).get("name") or "local"
+    return (getattr(rec, "target", None) or {}).get("name") or "local"
 
 
 def findings(session, case_id: str, rec, rows: dict, ref: dict, tol, run_dir: Path, where: dict, ran_where,
