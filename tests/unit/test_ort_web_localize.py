@@ -86,6 +86,15 @@ def tiny(tmp_path_factory, browser_runtime):
         yield s
 
 
+@pytest.fixture(scope="module")
+def bad_duration(tiny, tmp_path_factory) -> Path:
+    """The tiny case's `duration` step exported with `predictor.duration_proj` x1.5, once for the
+    module's tests (a dynamo export: tens of seconds)."""
+    from tests.unit.test_artifact_bisect import _export
+
+    return _export(tiny, "duration", tmp_path_factory.mktemp("bad") / "bad.onnx", "predictor.duration_proj", 1.5)
+
+
 def _open_page(bundle: Path) -> tuple[dict, str]:
     """The bundle's index.html served by the harness's PageServer on loopback, opened in headless
     Chromium as a maintainer would open it: (window.reproVerdict, the page's text)."""
@@ -103,17 +112,16 @@ def _open_page(bundle: Path) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-def test_a_step_onnx_judged_in_the_browser_is_localized_there_and_its_bundle_page_reproduces(tiny, tmp_path):
+def test_a_step_onnx_judged_in_the_browser_is_localized_there_and_its_bundle_page_reproduces(tiny, bad_duration):
     """`--artifact duration=bad.onnx --artifact-runtime ort-web-wasm --bisect` (duration_proj x1.5
     in the export): the browser names the stage onnxruntime CPU names, the record says the stages
     ran in onnxruntime-web wasm, and the bundle holds a page that reproduces it from its folder."""
     from harness import options, pipeline
     from harness.artifacts import ArtifactItem
     from harness.verdict import Verdict
-    from tests.unit.test_artifact_bisect import _export
 
-    bad = _export(tiny, "duration", tmp_path / "bad.onnx", "predictor.duration_proj", 1.5)
-    assert (tmp_path / "bad.onnx.data").is_file()  # its weights beside it: the page gets them as external data
+    bad = bad_duration
+    assert (bad.parent / "bad.onnx.data").is_file()  # its weights beside it: the page gets them as external data
     named = {}
     for runtime in ("native", "ort-web-wasm"):
         lines: list[str] = []
@@ -151,7 +159,7 @@ def test_a_step_onnx_judged_in_the_browser_is_localized_there_and_its_bundle_pag
 
 
 @pytest.mark.slow
-def test_bisect_on_a_device_item_runs_every_stage_and_probe_on_the_devices_page(tiny, tmp_path, capsys):
+def test_bisect_on_a_device_item_runs_every_stage_and_probe_on_the_devices_page(tiny, bad_duration, tmp_path, capsys):
     """`--target phone --bisect`: a user's step ONNX judged on the device's page is localized on
     that page (its marked model, each stage's subgraph), not in a Chromium of this machine, and the
     record names the device's browser; a backend step's probes run there too. The "phone" is a
@@ -160,10 +168,9 @@ def test_bisect_on_a_device_item_runs_every_stage_and_probe_on_the_devices_page(
     from harness.artifacts import ArtifactItem
     from harness.runner import Item
     from harness.verdict import Verdict
-    from tests.unit.test_artifact_bisect import _export
     from tests.unit.test_ort_web import PHONE_UA, _device_target, phone_opens
 
-    bad = _export(tiny, "duration", tmp_path / "bad.onnx", "predictor.duration_proj", 1.5)
+    bad = bad_duration
     _device_target(tiny, tmp_path, "phone", wait_s=60)
     mine = ArtifactItem("tiny", "duration", str(bad), "dynamic", "ort-web-wasm", target="phone")
     step = Item("tiny", "bert_encoder", "ort-web-wasm", "dynamic", target="phone")
