@@ -18,7 +18,7 @@ from .patches import canonical
 from .port.onnx_steps import localize_artifact_item
 from .port.pte_stages import etrecord_for, localize_pte
 from .record import Audit, backend_label, item_id
-from .runner import Item, Resolved, failed
+from .runner import Item, Resolved
 from .steps import STEP_NAMES, get_step
 from .verdict import Verdict
 from .plumbing.errors import UsageError

@@ -18,7 +18,7 @@ import contextlib
 import importlib.util
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch

@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _graph(nodes: list[tuple[str, dict | None]]):
     """A chain of Relu nodes x -> t0 -> t1 ..., each with a name and optional metadata."""
-    import onnx
     from onnx import TensorProto, helper
 
     made = []

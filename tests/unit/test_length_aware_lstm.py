@@ -8,7 +8,6 @@ norm-wise 1e-6 and bound the worst element at 4e-6 of max|ref|; the float64 chec
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
