@@ -143,20 +143,32 @@ class PageServer:
         return None
 
 
-def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def refused(self) -> bool:
-            """Answer 403 to a request without the server's key (see PageServer.admits)."""
-            ok, self.cookie = server.admits(self.path, "; ".join(self.headers.get_all("Cookie") or []))
-            if not ok:
-                server.requests.append(f"{self.command} {self.path.partition('?')[0]} 403")
-                self.send_error(403, "kokoro-parity: open the URL the harness printed (it carries the run's key)")
-            return not ok
+class _KeyedHandler(BaseHTTPRequestHandler):
+    """What every request of a PageServer (`page`) goes through first: its key, and no access log."""
 
-        def end_headers(self) -> None:
-            if getattr(self, "cookie", ""):
-                self.send_header("Set-Cookie", self.cookie)
-            super().end_headers()
+    page: PageServer
+    cookie = ""  # the Set-Cookie of this answer: the key's cookie when the URL carried the key
+
+    def refused(self) -> bool:
+        """Answer 403 to a request without the server's key (see PageServer.admits)."""
+        ok, self.cookie = self.page.admits(self.path, "; ".join(self.headers.get_all("Cookie") or []))
+        if not ok:
+            self.page.requests.append(f"{self.command} {self.path.partition('?')[0]} 403")
+            self.send_error(403, "kokoro-parity: open the URL the harness printed (it carries the run's key)")
+        return not ok
+
+    def end_headers(self) -> None:
+        if self.cookie:
+            self.send_header("Set-Cookie", self.cookie)
+        super().end_headers()
+
+    def log_message(self, *args) -> None:  # the run's log keeps the page's console, not every GET
+        pass
+
+
+def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(_KeyedHandler):
+        page = server
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.refused():
@@ -167,11 +179,10 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
                 return
             what = server.resolve(self.path)
             server.requests.append(f"GET {self.path} {200 if what is not None else 404}")
-            if what is not None:
-                server.served.add(path)
             if what is None:
                 self.send_error(404)
                 return
+            server.served.add(path)
             size = len(what) if isinstance(what, bytes) else what.stat().st_size
             suffix = "" if isinstance(what, bytes) else what.suffix
             self.send_response(200)
@@ -226,9 +237,6 @@ def _handler_for(server: PageServer) -> type[BaseHTTPRequestHandler]:
                 with server._lock:
                     server._streaming.discard(me)
                 self.close_connection = True
-
-        def log_message(self, *args) -> None:  # the run's log keeps the page's console, not every GET
-            pass
 
     return Handler
 
