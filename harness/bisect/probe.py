@@ -19,7 +19,6 @@ from ..metrics.tensor import compare_to_floor
 from ..plumbing import cache
 from ..plumbing.files import atomic_write_json, canonical, content_key, save_tensors
 from ..plumbing.jobs import JobResult, run_job
-from ..plumbing.targets import TargetUnreachable
 from ..plumbing.worker import JobProcess
 from .graph import BisectError, evaluate, restore_names
 
@@ -174,10 +173,7 @@ def _run_on_page(backend, probe_key: str, entry: Path, run_dir: Path, limits, ru
     if failed:
         return failed, result, compiled
     artifact = cache.entry("artifacts", backend.artifact_key(probe_key)) / backend.artifact_name
-    try:
-        result = _PAGE.run_job(RUN_JOB, dict(run_kwargs, artifact_path=str(artifact)), run_dir, limits.run_s)
-    except TargetUnreachable as e:  # no page came: the probe cannot run (never a pass)
-        result = JobResult("error", error=f"target {_PAGE.name!r}: {e}")
+    result = _PAGE.job_or_error(RUN_JOB, dict(run_kwargs, artifact_path=str(artifact)), run_dir, limits.run_s)
     return (None if result.ok else "run"), result, compiled
 
 

@@ -209,6 +209,14 @@ class Target:
         `preload`: what the job's process may import before it (a spare `prestart`ed for it)."""
         raise NotImplementedError
 
+    def job_or_error(self, function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+        """`run_job`, with a target that cannot take the job (no page came, the host is gone) as that
+        job's error: for a localization's jobs, whose failure is said, never a pass."""
+        try:
+            return self.run_job(function, kwargs, workdir, timeout)
+        except TargetUnreachable as e:
+            return JobResult("error", error=f"target {self.name!r}: {e}")
+
     def prestart(self, preload: dict) -> None:
         """A job with this `preload` will follow: start its process now, where that helps."""
 

@@ -42,8 +42,7 @@ from ..metrics.tensor import compare_to_floor, error_metrics
 from ..patches import provide_noise, sample_noise
 from ..plumbing.bundle import write_bundle_dir
 from ..plumbing.files import atomic_write
-from ..plumbing.jobs import JobResult, run_job
-from ..plumbing.targets import TargetUnreachable
+from ..plumbing.jobs import run_job
 from ..record import OnnxStages
 from ..verdict import band_comparator
 from .defects import (OWN_NOISE_MEASURES, defects_reason, effect_text, envelope,  # noqa: F401
@@ -336,10 +335,7 @@ def stages_job(session, job: str, kwargs: dict, workdir: Path, timeout: float, t
     if target != "local" and kwargs.get("runtime", NATIVE) != NATIVE:
         place = session.target_for(target)
         if place.kind == "browser":
-            try:
-                return place.run_job(job, kwargs, workdir, timeout)
-            except TargetUnreachable as e:  # no page came back: the localization says so
-                return JobResult("error", error=f"target {target!r}: {e}")
+            return place.job_or_error(job, kwargs, workdir, timeout)
     return run_job(job, kwargs, workdir, timeout)
 
 
