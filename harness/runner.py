@@ -31,7 +31,7 @@ from .plumbing import cache, run_cache
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors, size_of
 from .plumbing.jobs import MEMORY_SHARE, JobResult, Limits, cached_job, run_job  # noqa: F401 (Limits: imported from here too)
 from .plumbing.targets import TargetUnreachable, compile_on_target, get_target
-from .plumbing.worker import stop_worker
+from .plumbing.worker import COMPILER, stop_worker
 from .programs import ensure_program, program_key, program_sizes
 from .record import Record, backend_label, failed, item_id, real_time, skip_compiled_not_run, versions
 from .reference import MODES, load_traces, references_for, release_models
@@ -333,7 +333,8 @@ class Session:
         with progress.phase(f"lowering {tag}".strip("_. "), active=to_build):
             if target is None:
                 entry, result = cached_job("artifacts", key, "harness.backends:compile_job", self.limits.compile_s,
-                                           make, self.counts, admission_key=f"compile/{backend.name}/{step}")
+                                           make, self.counts, admission_key=f"compile/{backend.name}/{step}",
+                                           runner=COMPILER.runner(backend.name))
             else:
                 entry, result = compile_on_target(target, backend, key, make, self.limits.compile_s, self.counts)
         rec.cache[f"{tag}artifact"] = "hit" if result is None else "miss"

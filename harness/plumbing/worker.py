@@ -1,6 +1,7 @@
-"""Child processes started before their job: a warm worker for the small, torch-free jobs of a port
-chain (so judging a chain costs little more than running its artifacts), and a one-job spare for a
-compiled artifact's run (its process starts while the artifact compiles).
+"""Child processes that outlive one job or start before it: a warm worker for the small, torch-free
+jobs of a port chain (so judging a chain costs little more than running its artifacts), a one-job
+spare for a compiled artifact's run (its process starts while the artifact compiles), and a
+compiler for one backend's compiles in a row (`Compiler`: the backend's imports paid once).
 
 A port item runs each ONNX stage twice (local and chained) and describes each artifact once; as a
 fresh process each, those jobs spent more on Python's start, numpy and onnxruntime's imports and
@@ -212,10 +213,52 @@ class JobProcess(WarmWorker):
         return result
 
 
+class Compiler:
+    """Compiles of one backend after another in one process (a JobProcess): each fresh compile
+    child paid the backend's imports again (ExecuTorch's 5-8 s, coremltools' more) before a
+    lowering of a small program that takes a second or two. One backend at a time: a compile of
+    another backend stops the process and starts its own, so idle compilers never hold the
+    imports of several runtimes at once. A crash or a hang is the job's outcome as in a fresh
+    child, and the next compile starts a new process. So does the compile after a big one: the
+    memory a lowering of Kokoro's decoder leaves in the allocator would count in the next
+    compile's peak (a record's figure and the admission ledger's), where a fresh child's starts
+    from its imports."""
+
+    FRESH_AFTER_MB = 1500  # a compile that peaked above this is its process's last
+
+    def __init__(self, max_jobs: int = 16) -> None:
+        self.backend: str | None = None
+        self.process: JobProcess | None = None
+        self.max_jobs = max_jobs
+        self.lock = threading.Lock()
+
+    def runner(self, backend: str):
+        """`jobs.run_job`'s stand-in for a compile of `backend`."""
+        def run(function: str, kwargs: dict[str, Any], workdir: Path, timeout: float) -> JobResult:
+            with self.lock:
+                if self.process is None or self.backend != backend:
+                    self.stop()
+                    self.process, self.backend = JobProcess(max_jobs=self.max_jobs), backend
+                result = self.process.run_job(function, kwargs, workdir, timeout)
+                if result.peak_rss_mb > self.FRESH_AFTER_MB:
+                    self.stop()
+                return result
+        return run
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        self.process = self.backend = None
+
+
+COMPILER = Compiler()
+
+
 def stop_worker() -> None:
-    """Stop the warm worker and a waiting spare."""
+    """Stop the warm worker, a waiting spare and the compiler."""
     global _SPARE
     _WORKER.stop()
+    COMPILER.stop()
     if _SPARE is not None:
         _SPARE.stop()
         _SPARE = None
@@ -243,6 +286,7 @@ def _serve(preload: dict | None = None, max_jobs: int = 0) -> None:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(quiet, 1), os.dup2(quiet, 2)
             os.close(log)
+            _reset_peak()  # before "done": the parent's next poll must not read this job's peak as the next one's
         reply.write("done\n")
         reply.flush()
         served += 1

@@ -155,3 +155,32 @@ def test_time_limits_parse_and_name_the_bad_one():
         Limits.parse(["lower=3"])
     with pytest.raises(ValueError, match="'ten'"):
         Limits.parse(["run=ten"])
+
+
+def test_compiles_of_one_backend_share_a_process_and_a_crash_or_a_big_one_ends_it(tmp_path, monkeypatch):
+    """The runner's compiles go through `Compiler`: one process for one backend's compiles in a row
+    (its imports paid once), a new one for another backend, after a crash, and after a compile
+    whose peak would count in the next one's figure; a peak is the job's own, not the last job's."""
+    from harness.plumbing.worker import Compiler
+
+    compiler = Compiler()
+    monkeypatch.setattr(Compiler, "FRESH_AFTER_MB", 300)
+    run = lambda backend, fn, name, **kw: compiler.runner(backend)(fn, kw, tmp_path / name, 120)  # noqa: E731
+    try:
+        first, second = run("a", "os:getpid", "1"), run("a", "os:getpid", "2")
+        assert first.ok and first.value == second.value  # one process
+        crashed = run("a", "tests.unit.test_jobs:segfault_job", "3")
+        assert crashed.status == "crashed" and "SIGSEGV" in crashed.error
+        after = run("a", "os:getpid", "4")
+        assert after.ok and after.value != first.value  # the crash ended that process, not the next compile
+        other = run("b", "os:getpid", "5")
+        assert other.value != after.value  # another backend: its own process
+        big = run("b", "tests.unit.test_jobs:allocating_job", "6", mb=400)
+        small = run("b", "os:getpid", "7")
+        assert big.peak_rss_mb > 350 and small.value != other.value  # the big one was its process's last
+        assert small.peak_rss_mb < big.peak_rss_mb - 300, (small.peak_rss_mb, big.peak_rss_mb)
+        monkeypatch.setattr(Compiler, "FRESH_AFTER_MB", 10_000)  # now in one process: the peak is reset between jobs
+        big, small = run("c", "tests.unit.test_jobs:allocating_job", "8", mb=400), run("c", "os:getpid", "9")
+        assert small.peak_rss_mb < big.peak_rss_mb - 300, (small.peak_rss_mb, big.peak_rss_mb)
+    finally:
+        compiler.stop()
