@@ -29,9 +29,12 @@ install: $(STAMP) $(WEB_STAMP)
 # both modes, on the default model (rebuilt once from the packaged int8 ONNX). Run again with
 # nothing changed, an item whose artifact and inputs already ran is judged on its saved outputs
 # (the record says `cache.run: hit`); `make parity RUNS=` runs every item again.
+# Two xdist workers: a lowering keeps one core busy for a minute or two, and the other worker
+# lowers, exports or judges another case meanwhile (WORKERS=0: one process).
 RUNS ?= --reuse-runs
+WORKERS ?= 2
 parity: install
-	$(BIN)/pytest --backend=xnnpack --backend=eager -k decoder $(RUNS) $(ARGS)
+	$(BIN)/pytest --backend=xnnpack --backend=eager -k decoder -n $(WORKERS) $(RUNS) $(ARGS)
 
 # Every step x every installed backend x both modes (LSTM lowerings take minutes each).
 matrix: install

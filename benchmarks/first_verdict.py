@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARITY = ["--backend=xnnpack", "--backend=eager", "-k", "decoder", "--reuse-runs"]  # the Makefile's `parity` target
+PARITY = ["--backend=xnnpack", "--backend=eager", "-k", "decoder", "-n", "2", "--reuse-runs"]  # the Makefile's `parity` target
 VERDICT = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 
 
