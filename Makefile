@@ -55,11 +55,13 @@ upstream: install
 dashboard: install
 	$(BIN)/kokoro-parity dashboard $(ARGS)
 
-# Benchmarks print figures (the last `make test`'s suite time against its 20-minute target; cold vs
+# Benchmarks print figures (the last `make test`'s suite time against its 20-minute target; `make
+# parity` cold on an empty cache and warm, each against its target; cold vs
 # warm, harness vs bare script, per item; a port chain against its artifacts run alone); tests never
 # time anything.
 bench: install
 	$(BIN)/python benchmarks/ci_time.py
+	$(BIN)/python benchmarks/first_verdict.py --cold-and-warm
 	$(BIN)/python benchmarks/bench.py $(ARGS)
 	$(BIN)/python benchmarks/target_overhead.py
 	$(BIN)/python benchmarks/chain_overhead.py

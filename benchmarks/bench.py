@@ -99,13 +99,13 @@ def main() -> int:
 
     print(tabulate([["cold run (empty cache)", f"{cold['wall_s']:.1f} s", f"exports {cold['exports']}, compiles {cold['compiles']}"],
                     ["warm run (its cache)", f"{warm['wall_s']:.1f} s", f"exports {warm['exports']}, compiles {warm['compiles']}"],
-                    ["warm / cold", f"{result['warm_over_cold']:.2f}", "target <= 0.15 (issue 19)"]],
+                    ["warm / cold", f"{result['warm_over_cold']:.2f}", "target <= 0.15"]],
                    headers=["", "wall", "work"]))
     if "overhead" in result:
         o = result["overhead"]
         print(tabulate([["bare script (lower + serialize + load + run)", f"{o['bare_process_s']:.1f} s"],
                         ["harness (compile job + run job)", f"{o['harness_compile_plus_run_jobs_s']:.1f} s"],
-                        ["harness / bare", f"{o['harness_over_bare']:.2f}  (target <= 1.05, issue 19)"]]))
+                        ["harness / bare", f"{o['harness_over_bare']:.2f}  (target <= 1.05)"]]))
     print(tabulate(result["items"], headers="keys", floatfmt=".2f"))
     path = atomic_write_json(args.out / f"bench-{result['date'].replace(':', '')}.json", result)
     print(f"written: {path}")
