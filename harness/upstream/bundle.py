@@ -240,6 +240,14 @@ def readme_md(rows: list[tuple[Defect, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def written_elsewhere(readme: Path) -> str:
+    """The README's sections after the catalog's table (from its first `## ` heading): bundles that
+    other commands write (a rewrite's, `kokoro-parity run --rewrite`), kept when the table is rewritten."""
+    text = readme.read_text() if readme.exists() else ""
+    at = text.find("\n## ")
+    return text[at:] if at >= 0 else ""
+
+
 def readme_row(d: Defect, r: dict, day: str = "") -> str:
     """The defect's row of docs/upstream/README.md (`day`: the date of a run apart from the others)."""
     known = "; ".join(f"[{link.split('github.com/')[-1].replace('/issues/', '#').replace('/pull/', '#')}]"
@@ -303,7 +311,7 @@ def main(out: Path | None = None, only: list[str] | None = None, check_only: boo
         print(f"{d.name:34s} exit {r['exit_code']}  {r['status']:15s} {r['seconds']:6.1f} s  {size / 1e6:5.2f} MB  "
               f"{r['message'][:110]}", flush=True)
     if not check_only and not only:
-        atomic_write_text(out / "README.md", readme_md(rows))
+        atomic_write_text(out / "README.md", readme_md(rows) + written_elsewhere(out / "README.md"))
     elif not check_only and (out / "README.md").exists():  # --only: those rows, the others as they were
         atomic_write_text(out / "README.md", update_readme_rows((out / "README.md").read_text(), rows))
     failed = [d.name for d, r in rows if r["exit_code"] != REPRODUCED]

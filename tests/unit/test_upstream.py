@@ -250,3 +250,18 @@ def test_a_malformed_catalog_entry_is_one_error_naming_the_defect_and_the_field(
             upstream.load_catalog(path)
     searched, defects = upstream.load_catalog(upstream.catalog.CATALOG)
     assert [d.name for d in defects] == [d.name for d in upstream.DEFECTS] and searched == upstream.SEARCHED
+
+
+def test_a_full_regeneration_keeps_the_sections_other_commands_write(tmp_path):
+    """`make upstream` rewrites the catalog's table; the rewrites' bundles' section after it (written
+    by `kokoro-parity run --rewrite`, not by the catalog) stays, here and in the shipped README."""
+    from harness.upstream.bundle import written_elsewhere
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# Upstream repro bundles\n\n| bundle |\n| --- |\n| [a](a/) |\n\n## Rewrites\n\n| [b](b/) |\n")
+    assert written_elsewhere(readme) == "\n## Rewrites\n\n| [b](b/) |\n"
+    assert written_elsewhere(tmp_path / "none.md") == ""
+    shipped = written_elsewhere(DOCS / "README.md")
+    assert "[mlx-audio-albert-gelu](mlx-audio-albert-gelu/)" in shipped and "[mlx-mean-float32]" in shipped
+    for name in ("mlx-audio-albert-gelu", "mlx-mean-float32"):
+        assert {"repro.py", "REPORT.md"} <= {p.name for p in (DOCS / name).iterdir()}
