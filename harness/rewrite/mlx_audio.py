@@ -76,6 +76,8 @@ MODULES = {
     "decoder.decode.3.pool": "pool",
     "decoder.generator": "call",
     "decoder.generator.m_source": "call",
+    "decoder.generator.m_source.l_sin_gen": "call",  # the harmonics: its phase is a cumulative sum over every sample
+    "decoder.generator.m_source.l_linear": "call",  # the harmonics merged (then tanh)
     "decoder.generator.noise_convs.*": "conv",
     "decoder.generator.noise_res.*": "call",
     "decoder.generator.noise_res.*.adain[12].*": "call",
