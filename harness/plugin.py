@@ -269,7 +269,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.parity)
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     if groups:
-        items.sort(key=lambda it: _case_length(config, it))  # stable: the order within a case stays
+        items.sort(key=lambda it: (_case_length(config, it), _not_control(it)))  # stable otherwise
     else:  # no parity item here (this repository's unit tests): their Sessions' phases are not news
         progress.set_display(None)
         progress.set_say(None)
@@ -294,6 +294,14 @@ def _case_length(config: pytest.Config, item: pytest.Item) -> tuple[int, int, in
     if case is None:
         return (0, 0, 0)
     return (len(case.phonemes), case.bucket.tokens, case.bucket.frames)
+
+
+def _not_control(item: pytest.Item) -> bool:
+    """Within a case the eager control comes first: its verdict (seconds, no lowering) says the
+    references and the pipeline hold before a backend's lowering takes minutes, and it is the
+    first verdict a cold `make parity` prints."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "parity_item" in params and params["parity_item"].backend != "eager"
 
 
 def _group(config: pytest.Config, item) -> str:

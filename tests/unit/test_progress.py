@@ -226,11 +226,14 @@ def test_a_first_run_shows_its_phases_in_a_log_and_quiet_shows_none(tmp_path):
     assert "kokoro-parity" not in run_pytest(tmp_path, "-p", "no:terminal")  # no reporter: nothing to draw on
 
 
-def test_shortest_case_is_collected_first():
-    out = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", "--collect-only", "-q", "--backend=eager",
-                          "-k", "decoder"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+def test_shortest_case_is_collected_first_and_the_eager_control_first_in_it():
+    out = subprocess.run([sys.executable, "-m", "pytest", "tests/parity", "--collect-only", "-q", "--backend=xnnpack",
+                          "--backend=eager", "-k", "decoder"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=child_pytest_env())
-    cases = [line.split("[")[1].split("-")[0] for line in out.stdout.splitlines() if "::" in line]
+    ids = [line.split("[")[1].rstrip("]") for line in out.stdout.splitlines() if "::" in line]
+    cases = [i.split("-")[0] for i in ids]
+    first_of = {c: [i for i in ids if i.startswith(c + "-")] for c in set(cases)}
+    assert all("-eager-" in i for c in first_of for i in first_of[c][:2]), ids  # both modes' controls, then XNNPACK
     from harness.cases import load_cases
 
     length = {c.id: len(c.phonemes) for c in load_cases()}
