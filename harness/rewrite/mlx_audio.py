@@ -38,8 +38,9 @@ INSTALL = "pip install -e '.[mlx]'"
 
 # Kokoro module path (`*`: one part of it) -> how its mlx-audio counterpart is called. Kokoro's
 # LSTMs run on packed sequences: the harness unpacks them (batch 1, exact lengths: the whole
-# sequence), and mlx-audio's LSTM takes the plain one. Not mapped: the dropouts and activations,
-# and the AdaIN's InstanceNorm (mlx-audio's has no affine parameters; its AdaIN1d is judged whole).
+# sequence), and mlx-audio's LSTM takes the plain one. Not mapped: the dropouts and activations.
+# The generator's AdaINs have their InstanceNorm mapped too (mlx-audio's has no affine parameters:
+# the load checks Kokoro's are the identity), so an AdaIN that differs is told from its normalization.
 MODULES = {
     "bert": "bert",
     "bert.embeddings": "embeddings",
@@ -81,9 +82,11 @@ MODULES = {
     "decoder.generator.noise_convs.*": "conv",
     "decoder.generator.noise_res.*": "call",
     "decoder.generator.noise_res.*.adain[12].*": "call",
+    "decoder.generator.noise_res.*.adain[12].*.norm": "call",  # the AdaIN's InstanceNorm (channels-first in both)
     "decoder.generator.ups.*": "weighted_conv_transpose",
     "decoder.generator.resblocks.*": "call",
     "decoder.generator.resblocks.*.adain[12].*": "call",
+    "decoder.generator.resblocks.*.adain[12].*.norm": "call",
     "decoder.generator.conv_post": "weighted_conv",
 }
 # Sub-callables: the generator's STFT of the harmonic source and its inverse STFT of the output
