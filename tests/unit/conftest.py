@@ -159,20 +159,24 @@ def child_pytest_env(**extra: str) -> dict:
 
 
 @contextlib.contextmanager
-def tiny_session_at(root, **limits):
+def tiny_session_at(root, work: bool = True, **limits):
     """A Session on the seeded random model and the short `tiny` case (speed 4: few frames), with
-    its own case directory and cache under `root` (the references shared): what the end-to-end
-    tests of several files run."""
+    its own case directory and cache under `root`: what the end-to-end tests of several files run.
+    The references are the test run's shared ones, and so (`work`) are its exported programs and
+    compiled artifacts: several modules' sessions judge the same tiny programs on the same backends
+    (the browser's and a target's ONNX of one step, for one). `work=False` for a session whose tests
+    count its exports or delete its cache entries."""
     from harness.cases import load_cases, write_case
     from harness.plumbing.cache import CACHE_ENV
     from harness.runner import Limits, Session
 
     write_case(root / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(shared_references(root / "cache")))
+        mp.setenv(CACHE_ENV, str(shared_references(root / "cache", work=work)))
         s = Session(weights="random:0", case_ids=["tiny"], report_dir=root / "reports", limits=Limits(**limits))
         s._cases = {c.id: c for c in load_cases(root / "cases")}
         try:
             yield s
         finally:
             s.close_browsers()  # its Chromiums (harness.backends.web_page.SharedBrowser): none outlives the module
+

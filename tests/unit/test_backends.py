@@ -527,7 +527,7 @@ def tiny_session(tmp_path_factory, example_backends):
     own cache: items run end to end (export, compile, run, verdict) in child processes."""
     from tests.unit.conftest import tiny_session_at
 
-    with tiny_session_at(tmp_path_factory.mktemp("tiny"), compile_s=600) as s:
+    with tiny_session_at(tmp_path_factory.mktemp("tiny"), work=False, compile_s=600) as s:
         yield s
 
 

@@ -81,7 +81,7 @@ def test_profile_of_a_tiny_case_item_on_both_executorch_backends(tmp_path, monke
     from harness.runner import Item, Session
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
-    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache")))
+    monkeypatch.setenv("KOKORO_PARITY_CACHE", str(shared_references(tmp_path / "cache", work=True)))
     session = Session(weights="random:0", case_ids=["tiny"], report_dir=tmp_path / "reports")
     session._cases = {c.id: c for c in load_cases(tmp_path / "cases")}
     for backend, where in (("xnnpack", "delegated"), ("portable", "portable kernel")):
