@@ -9,13 +9,21 @@ metrics and repros never import it.
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.resources as res
+import importlib.util
 import io
 import json
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from .plumbing.errors import UsageError
+
+if TYPE_CHECKING:  # imported at run time by `import_kokoro`; named here for the readers and the import contracts
+    import kokoro.model  # noqa: F401
 
 CHECKPOINT_KEYS = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
 HF_REPO = "hexgrad/Kokoro-82M"
@@ -42,13 +50,37 @@ def kokoro_config() -> dict:
     return {**copy.deepcopy(KOKORO_V1_CONFIG), "vocab": load_vocab()}
 
 
+def import_kokoro(submodule: str) -> ModuleType:
+    """`kokoro.<submodule>`, without running kokoro's package `__init__` first if it has not run:
+    that imports kokoro's G2P pipeline (misaki, spaCy), 1.5 s of the 8 s a process pays to build a
+    model it never phonemizes with. The package object stands in until a name only `__init__`
+    defines is read (`from kokoro import KPipeline`): then `__init__` runs, as a plain import would."""
+    if "kokoro" not in sys.modules:
+        spec = importlib.util.find_spec("kokoro")
+        if spec is None or spec.loader is None:
+            raise ModuleNotFoundError("No module named 'kokoro' (pip install kokoro)", name="kokoro")
+        package = importlib.util.module_from_spec(spec)
+
+        def rest_of_init(name: str):
+            if package.__dict__.pop("__getattr__", None) is None:
+                raise AttributeError(f"module 'kokoro' has no attribute {name!r}")
+            spec.loader.exec_module(package)
+            return getattr(package, name)
+
+        package.__getattr__ = rest_of_init
+        sys.modules["kokoro"] = package
+        from loguru import logger  # what kokoro's __init__ does first: its debug lines stay off
+        logger.disable("kokoro")
+    return importlib.import_module(f"kokoro.{submodule}")
+
+
 def build_empty_kmodel(seed: int | None = None) -> torch.nn.Module:
     """The real KModel architecture with default-initialised weights and no download.
 
     KModel.__init__ always torch.loads a checkpoint; an in-memory empty dict satisfies it.
     """
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.model import KModel
+    KModel = import_kokoro("model").KModel
 
     buf = io.BytesIO()
     torch.save({}, buf)

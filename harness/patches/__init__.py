@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import remove_weight_norm
 
+from ..architecture import import_kokoro
 from .length_aware_lstm import LengthAwareLSTM
 from .length_aware_norm import apply_length_aware_norm
 from .stft_islands import apply_stft_islands
@@ -226,7 +227,7 @@ def _text_encoder_forward(self, x, input_lengths, m):
 
 def _duration_encoder_forward(self, x, style, text_lengths, m):
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.modules import AdaLayerNorm
+    AdaLayerNorm = import_kokoro("modules").AdaLayerNorm
 
     x = x.permute(2, 0, 1)
     s = style.expand(x.shape[0], x.shape[1], -1)
@@ -291,7 +292,7 @@ def swap_lstms(model: nn.Module, impl: str | None = None) -> None:
        "CustomSTFT does them with convolutions (replicate padding instead of reflect)", affects=VOCODER_STEPS)
 def _custom_stft(model: nn.Module) -> None:
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.custom_stft import CustomSTFT
+    CustomSTFT = import_kokoro("custom_stft").CustomSTFT
 
     gen = model.decoder.generator
     old = gen.stft

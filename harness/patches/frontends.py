@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..architecture import import_kokoro
 from . import LSTM_STEPS, patch, run_length_aware, run_padded, set_lstm_strategy, swap_lstms
 
 # ---- CustomSTFT phase correction: boolean-mask index_put -> torch.where ----------------------
@@ -41,7 +42,7 @@ def _custom_stft_transform(self, waveform: torch.Tensor):
        "torch.where and logical_and compute the same", same_function=True)
 def _stft_phase_where(model: nn.Module) -> None:
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.custom_stft import CustomSTFT
+    CustomSTFT = import_kokoro("custom_stft").CustomSTFT
 
     stft = model.decoder.generator.stft
     if isinstance(stft, CustomSTFT):
@@ -63,7 +64,7 @@ def _adain_resblk_forward(self, x, s):
        "coremltools does not promote (rsqrt of int32 fails); rsqrt(tensor(2.0)) is the same value", same_function=True)
 def _rsqrt_float_const(model: nn.Module) -> None:
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.istftnet import AdainResBlk1d
+    AdainResBlk1d = import_kokoro("istftnet").AdainResBlk1d
 
     for m in model.modules():
         if isinstance(m, AdainResBlk1d):

@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..architecture import import_kokoro
+
 _lengths_stack: list[torch.Tensor] = []
 
 
@@ -196,7 +198,7 @@ def istft_envelope_like_exact(stft: nn.Module, audio: torch.Tensor, frame_length
     (those the first padded frame overlaps) have only the valid frames'. Rescale them; the other
     samples are left bit for bit. CustomSTFT's inverse has no envelope: nothing to do."""
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.istftnet import TorchSTFT
+    TorchSTFT = import_kokoro("istftnet").TorchSTFT
 
     if not isinstance(stft, TorchSTFT):
         return audio
@@ -267,7 +269,8 @@ def _bind(module: nn.Module, forward) -> None:
 def apply_length_aware_norm(model: nn.Module) -> None:
     """Bind the length-aware forwards on `model` (a KModel copy); parameters are untouched."""
     # slow: kokoro's import takes seconds (transformers); only when a model is built
-    from kokoro.istftnet import AdainResBlk1d, AdaINResBlock1
+    istftnet = import_kokoro("istftnet")
+    AdainResBlk1d, AdaINResBlock1 = istftnet.AdainResBlk1d, istftnet.AdaINResBlock1
 
     for m in model.modules():
         if isinstance(m, AdainResBlk1d):
