@@ -120,6 +120,28 @@ def test_no_packing_is_exact_on_exact_lengths_and_drifts_on_padding(random_model
     assert rel(drift, ref) > 1e-3
 
 
+def test_float64_convolutions_by_taps_equal_torchs():
+    """to_float64's Conv1d (`float64_convolutions_by_taps`: a matrix product per kernel tap, for speed) against torch's own float64
+    convolution: weight_norm, dilation and padding as the vocoder's resblocks have them; a short
+    input and a batch of two take torch's path."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.nn.utils import weight_norm
+
+    from harness.patches import TAPS_MIN_FRAMES, float64_convolutions_by_taps
+
+    g = torch.Generator().manual_seed(0)
+    model = float64_convolutions_by_taps(nn.Sequential(weight_norm(nn.Conv1d(8, 6, 11, dilation=3, padding=15))).double())
+    assert model[0]._conv_forward.__func__.__name__ == "_conv1d_by_taps"
+    for shape in ((1, 8, TAPS_MIN_FRAMES + 500), (1, 8, 40), (2, 8, TAPS_MIN_FRAMES + 10)):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            got = model(x)  # weight_norm's pre-hook computes the float64 weight the line below reads
+            want = F.conv1d(x, model[0].weight, model[0].bias, padding=15, dilation=3)
+        assert got.shape == want.shape and got.dtype == torch.float64
+        assert ((got - want).norm() / want.norm()).item() < 1e-13, shape
+
+
 def test_unknown_patch_is_named():
     with pytest.raises(KeyError, match="no_such_patch"):
         apply_patches(torch.nn.Module(), ["no_such_patch"])
