@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+from loguru import logger
 
 from .plumbing.errors import UsageError
 
@@ -69,8 +70,7 @@ def import_kokoro(submodule: str) -> ModuleType:
 
         package.__getattr__ = rest_of_init
         sys.modules["kokoro"] = package
-        from loguru import logger  # what kokoro's __init__ does first: its debug lines stay off
-        logger.disable("kokoro")
+        logger.disable("kokoro")  # what kokoro's __init__ does first: its debug lines stay off
     return importlib.import_module(f"kokoro.{submodule}")
 
 
