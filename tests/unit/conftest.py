@@ -179,4 +179,3 @@ def tiny_session_at(root, work: bool = True, **limits):
             yield s
         finally:
             s.close_browsers()  # its Chromiums (harness.backends.web_page.SharedBrowser): none outlives the module
-

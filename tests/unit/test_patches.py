@@ -121,9 +121,9 @@ def test_no_packing_is_exact_on_exact_lengths_and_drifts_on_padding(random_model
 
 
 def test_float64_convolutions_by_taps_equal_torchs():
-    """to_float64's Conv1d (`float64_convolutions_by_taps`: a matrix product per kernel tap, for speed) against torch's own float64
-    convolution: weight_norm, dilation and padding as the vocoder's resblocks have them; a short
-    input and a batch of two take torch's path."""
+    """to_float64's Conv1d (`float64_convolutions_by_taps`: a matrix product per kernel tap, for
+    speed) against torch's own float64 convolution: weight_norm, dilation and padding as the
+    vocoder's resblocks have them; a short input and a batch of two take torch's path."""
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.utils import weight_norm
