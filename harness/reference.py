@@ -21,12 +21,12 @@ from . import progress
 from .cases import FRAME_BUCKETS, MAX_TOKENS, TOKEN_BUCKETS, Bucket, Case, CaseError
 from .metrics.tensor import error_metrics
 from .model import SAMPLES_PER_FRAME, LoadedModel, load_voice, phonemize, style_for
-from .patches import PATCHES, affecting, apply_patches, canonical, graph_code_digest, sample_noise, to_float64
+from .patches import NOISE_INPUTS, PATCHES, affecting, apply_patches, canonical, graph_code_digest, sample_noise, to_float64
 from .plumbing import cache
 from .plumbing.files import atomic_write, content_key, tensors_digest
 from .plumbing.hooks import registered
 from .precision.float16 import FLOOR_VERSION, Float16Mode, Mixed
-from .steps import FRAME_UNITS, NOISE_INPUTS, STAGES, STEPS, Step, build_alignment, get_step
+from .steps import FRAME_UNITS, STAGES, STEPS, Step, build_alignment, get_step
 from .plumbing.errors import UsageError
 
 MODES = ("dynamic", "static")

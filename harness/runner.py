@@ -29,6 +29,7 @@ from .backends.prebuilt import NATIVE, PrebuiltBackend, describe_as_json, ports_
 from .patches import PATCHES, canonical as canonical_patches
 from .plumbing import cache, run_cache
 from .plumbing.files import canonical, load_arrays, save_arrays, save_tensors, size_of
+from .plumbing.heap import return_freed_memory
 from .plumbing.jobs import MEMORY_SHARE, JobResult, Limits, cached_job, run_job  # noqa: F401 (Limits: imported from here too)
 from .plumbing.targets import TargetUnreachable, compile_on_target, get_target
 from .plumbing.worker import COMPILER, stop_worker
@@ -217,6 +218,7 @@ class Session:
     def finish(self, record: Record) -> Record:
         record.write(self.report_dir / "records")
         self.counts[f"verdict_{record.verdict.value}"] += 1
+        return_freed_memory()  # what the item allocated and freed, back to the system
         return record
 
     def _run(self, item: Item) -> Record:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .patches import NOISE_INPUTS, provide_noise, run_padded
+from .patches import provide_noise, run_padded
 from .patches.length_aware_norm import provide_frame_lengths
 from .plumbing.errors import UnknownName
 

@@ -8,6 +8,7 @@
   jobs, and a one-job spare that imports a run's runtime while its artifact compiles;
 - `targets`: where a run job executes (this machine, or a device over SSH);
 - `hooks`: forward hooks removed whatever the forward pass does.
+- `heap`: freed heap pages given back to the system after each item (a long run's size grows otherwise);
 - `stopping`: SIGTERM in the harness's main process ends a run as Ctrl-C does, cleaning up;
 - `errors`: what the user got wrong (`UsageError`: one line, exit 2) apart from the harness's own defects.
 """

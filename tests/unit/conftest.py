@@ -25,6 +25,8 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from harness.plumbing.heap import return_freed_memory  # noqa: E402
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the plugin may have imported torch first
 
 
@@ -100,6 +102,13 @@ def pytest_collection_modifyitems(config, items):
     bins = sorted(bins, key=lambda b: -sum(count[p] for p in b))
     rank = {path: i for i, path in enumerate(p for b in bins for p in b)}
     items.sort(key=lambda it: rank[it.path])  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' teardown: what they held is freed by then
+def pytest_runtest_teardown(item, nextitem):
+    """The heap's freed pages back to the system after every test: a worker runs some 340 tests, and
+    without it glibc kept what they had freed until a worker was killed for memory (9.8 GB)."""
+    return_freed_memory()
 
 
 TEST_SEED = 0  # the seed of every Session of the tests (`--weights=random:0`)

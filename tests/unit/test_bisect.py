@@ -71,6 +71,14 @@ def probe_exports(tmp_path_factory):
 _GRAPHS: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def forget_the_modules_graphs():
+    """The step graphs and their float64 references are this module's: a worker would otherwise
+    keep them for the rest of the suite."""
+    yield
+    _GRAPHS.clear()
+
+
 def step_graph(program_path, inputs):
     """One StepGraph per program file and inputs of this module, so its load and its per-node
     fp32/fp64 references (deterministic: the same ops on the same inputs) are computed once, not

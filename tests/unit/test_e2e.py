@@ -113,6 +113,15 @@ _PATCHED: dict = {}  # (model, patches) -> the patched model: a deep copy of 82M
 _RUNS: dict = {}  # (model, patches, step) -> [(inputs, outputs)]: eager on the same inputs, the same values
 
 
+@pytest.fixture(scope="module", autouse=True)
+def forget_the_modules_runs():
+    """The patched models and runs are this module's: about 2.4 GB that a worker would otherwise
+    keep for the rest of the suite."""
+    yield
+    _PATCHED.clear()
+    _RUNS.clear()
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(
         (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(x, y) if isinstance(x, torch.Tensor)
