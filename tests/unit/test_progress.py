@@ -50,16 +50,18 @@ def test_plain_lines_say_a_long_phase_is_still_working_and_stop_with_it(cache):
     lines = []
     with progress.displayed(progress.PlainLines(lines.append, every_s=0.1)), progress.item("x"):
         with progress.phase("judging"):
+            start = time.monotonic()
             with progress.phase("references", subject="en_long static float64") as p:
                 p.update("decoder")
                 time.sleep(0.55)
+            lasted = time.monotonic() - start  # longer than asked on a busy machine
             inner = lines[2:-1]  # between the two start lines and the inner end line
             time.sleep(0.35)
         outer = lines[len(inner) + 3:]
         ended = len(lines)
     time.sleep(0.3)
     assert len(lines) == ended and lines[-1].startswith("kokoro-parity: judging x: done in")
-    assert 3 <= len(inner) <= 5, lines  # at most one per 0.1 s
+    assert 3 <= len(inner) <= int(lasted / 0.1) + 1, lines  # at most one per 0.1 s
     assert all(re.fullmatch(r"kokoro-parity: judging x > references en_long static float64: decoder  "
                             r"\d\.\d s, still working", w) for w in inner), inner
     assert 2 <= len(outer[:-1]) <= 3 and all(re.fullmatch(r"kokoro-parity: judging x  \d\.\d s, still working", w)
