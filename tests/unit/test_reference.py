@@ -67,3 +67,25 @@ def test_float64_references_leave_out_patches_that_only_rewrite_ops(random_model
     assert not torch.equal(aware["d"], own["d"])  # length_aware_lstm changes the static function: its own run
     reference.variant_output(random_model, CASE, traces, step, mode, ("scan_lstm",), "float32")
     assert len(built) == 2 and "scan_lstm" in built[-1]  # float32 runs with every patch of the set
+
+
+def test_reading_a_steps_inputs_runs_nothing(random_model, tmp_path, monkeypatch):
+    """A step's inputs are forced from the chain: reading them computes none of the step's
+    references (a patched item's float64 inputs used to cost a float64 run of the whole step), and
+    they are the inputs its references are then computed from."""
+    from harness.plumbing.cache import CACHE_ENV
+    from harness.reference import load_traces
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    traces = load_traces(random_model, CASE)
+
+    def step_entries():
+        return list((tmp_path / "cache" / "traces").glob("*/io.pt"))
+
+    for made, mode in enumerate(("dynamic", "static")):
+        read = traces.inputs("bert_encoder", mode, "float64")
+        assert len(step_entries()) == made
+        traces.outputs("bert_encoder", mode, "float64")  # the step's references, computed now
+        assert read.keys() == traces.inputs("bert_encoder", mode, "float64").keys()
+        assert all(torch.equal(read[k], v) for k, v in traces.inputs("bert_encoder", mode, "float64").items())
+    assert len(step_entries()) == 2
