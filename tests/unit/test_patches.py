@@ -182,8 +182,10 @@ def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch()
     pytest.importorskip("executorch")
     import torch.nn as nn
     from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.delegate import executorch_call_delegate
     from executorch.runtime import Runtime
 
+    from harness.backends.control_flow import XnnpackControlFlowPartitioner
     from harness.patches import PATCHES
     from harness.upstream.programs import InstanceNorm, _long_channel
 
@@ -201,9 +203,16 @@ def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch()
         PATCHES["instance_norm_float64_stats"].apply(module)
         eager = module(x)
     assert err(eager) <= floor
-    buffer = to_edge_transform_and_lower(torch.export.export(module, (x,)), partitioner=[]).to_executorch().buffer
-    got = torch.as_tensor(Runtime.get().load_program(buffer).load_method("forward").execute([x])[0])
-    assert torch.isfinite(got).all() and err(got) <= floor
+    # the portable kernels alone, and the XNNPACK delegate beside them as the `xnnpack` backend lowers it
+    # (the float64 statistics stay outside the delegate; the plugin's CI twin lowers the decoder without
+    # this workaround, its default-model test with it)
+    for partitioner in ([], [XnnpackControlFlowPartitioner()]):
+        program = to_edge_transform_and_lower(torch.export.export(module, (x,)), partitioner=partitioner)
+        calls = [n for n in program.exported_program().graph.nodes if n.target is executorch_call_delegate]
+        assert bool(calls) == bool(partitioner)  # the delegate takes its part (unpatched, XNNPACK gives NaN too)
+        got = torch.as_tensor(Runtime.get().load_program(program.to_executorch().buffer).load_method("forward")
+                              .execute([x])[0])
+        assert torch.isfinite(got).all() and err(got) <= floor, (partitioner, err(got), floor)
 
 
 def test_instance_norm_float64_stats_is_finite_on_tvm():

@@ -1,9 +1,10 @@
 """The plugin end to end: `pytest --backend=xnnpack -k decoder` really exports Kokoro's decoder,
 lowers it to ExecuTorch+XNNPACK, runs it, and reports metrics; a second run does no export and no
 compile (the cache). In CI on the seeded random model and the short `tiny` case (the same decoder
-graph and lowering), XNNPACK in the static mode and the eager control in the dynamic one (each
-XNNPACK lowering of the decoder costs about 95 s); both modes on both backends, on the default
-model and en_short, in `make heavy-tests`."""
+graph), XNNPACK in the static mode without the InstanceNorm workaround, whose float64 statistics are
+a third of the lowering (56 s against 86 s alone; `test_patches.py` lowers the workaround through
+the XNNPACK partitioner); both modes on XNNPACK and the eager control, every workaround applied, on
+the default model and en_short, in `make heavy-tests`."""
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ def run_pytest(args, report_dir, **env):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=child_pytest_env(**env))
 
 
-def check_decoder_records(report_dir, case, xnnpack_modes=("dynamic", "static")):
+def check_decoder_records(report_dir, case, xnnpack_modes=("dynamic", "static"), eager=True):
     """The XNNPACK decoder passes in each mode given with every metric, a real artifact, the
     delegate taking every convolution, and the port's patches and drifts recorded."""
     records = {p.stem: json.loads(p.read_text()) for p in (report_dir / "records").glob("*.json")}
@@ -45,7 +46,8 @@ def check_decoder_records(report_dir, case, xnnpack_modes=("dynamic", "static"))
         assert rec["audit"]["delegate_coverage"] > 0.4 and not [op for op in outside if "conv" in op], outside
         assert "custom_stft" in rec["semantic_patches"] and rec["patch_drift"]["audio"]["rel_l2"] > 0
     assert records[f"{case}-decoder-xnnpack-static"]["rewrite_drift"]["audio"]["rel_l2"] > 0
-    assert records[f"{case}-decoder-eager-dynamic"]["verdict"] == "pass"
+    if eager:
+        assert records[f"{case}-decoder-eager-dynamic"]["verdict"] == "pass"
 
 
 def assert_no_work(second):
@@ -58,20 +60,23 @@ def assert_no_work(second):
 def test_xnnpack_decoder_and_golden_on_the_random_model(tmp_path):
     """The tiny case of the seeded random model: its golden data (both modes) written by
     `--update-golden` into the user's store, then read back by the second run, which exports and
-    compiles nothing. XNNPACK's static item carries both drifts (patches and the static rewrite)."""
+    compiles nothing. XNNPACK's static item carries both drifts (patches and the static rewrite), and
+    the workaround left out by `--no-workaround` is recorded as not applied."""
     from harness.cases import write_case
 
     write_case(tmp_path / "cases", "tiny", "Hi.", "en-us", "jf_alpha", 8, 128, speed=4.0)
     args = ["--weights=random:0", f"--cases-dir={tmp_path / 'cases'}", f"--golden-dir={tmp_path / 'golden'}",
-            "--backend=xnnpack", "--backend=eager", "--case=tiny",
-            "-k", "decoder-xnnpack-static or decoder-eager-dynamic or golden"]
+            "--backend=xnnpack", "--case=tiny", "--no-workaround=instance_norm_float64_stats",
+            "-k", "decoder-xnnpack-static or golden"]
     env = {"KOKORO_PARITY_CACHE": str(shared_references(tmp_path / "cache"))}
     first = run_pytest([*args, "--update-golden"], tmp_path / "reports", **env)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "kokoro-parity summary" in first.stdout
-    check_decoder_records(tmp_path / "reports", "tiny", xnnpack_modes=("static",))
+    check_decoder_records(tmp_path / "reports", "tiny", xnnpack_modes=("static",), eager=False)
     ran = sorted(p.stem for p in (tmp_path / "reports" / "records").glob("tiny-decoder-*.json"))
-    assert ran == ["tiny-decoder-eager-dynamic", "tiny-decoder-xnnpack-static"], ran
+    assert ran == ["tiny-decoder-xnnpack-static"], ran
+    record = json.loads((tmp_path / "reports" / "records" / "tiny-decoder-xnnpack-static.json").read_text())
+    assert record["workarounds"]["disabled"] == ["instance_norm_float64_stats"], record["workarounds"]
     assert sorted(p.parent.name for p in (tmp_path / "golden").rglob("manifest.json")) == ["dynamic", "static"]
 
     second = run_pytest([*args, "-v"], tmp_path / "reports", **env)
