@@ -9,13 +9,16 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from executorch.exir import to_edge_transform_and_lower
-from executorch.runtime import Runtime
 
-from . import Backend, Workaround, control_flow
-from .control_flow import XnnpackControlFlowPartitioner, control_flow_bodies
+from . import Backend, Workaround
 from .cost import AUDIO_SECONDS, CostLaw
+from ..plumbing.deferred import deferred_import
+
+# ExecuTorch's import is 3 s: a report's table, which reads this backend's class, must not pay it
+xnnpack_partitioner = deferred_import("executorch.backends.xnnpack.partition.xnnpack_partitioner")
+exir = deferred_import("executorch.exir")
+et_runtime = deferred_import("executorch.runtime")
+control_flow = deferred_import("harness.backends.control_flow")  # imports executorch at its top
 
 
 def _core_aten_violations(program) -> dict[str, int]:
@@ -116,8 +119,8 @@ class XnnpackBackend(Backend):
 
     def partitioners(self) -> list:
         if self._control_flow_partitioner():
-            return [XnnpackControlFlowPartitioner()]
-        return [XnnpackPartitioner()]
+            return [control_flow.XnnpackControlFlowPartitioner()]
+        return [xnnpack_partitioner.XnnpackPartitioner()]
 
     def version(self) -> str:
         """The partitioner is part of the artifact key: an artifact lowered by the stock partitioner
@@ -145,14 +148,14 @@ class XnnpackBackend(Backend):
     def compile(self, program_path: Path, out_dir: Path) -> dict:
         program = torch.export.load(str(program_path))
         partitioners = self.partitioners()
-        edge = to_edge_transform_and_lower(program, partitioner=partitioners)
+        edge = exir.to_edge_transform_and_lower(program, partitioner=partitioners)
         audit = _delegation(edge) if partitioners else {"kernels": "portable"}
         et = edge.to_executorch()
         (out_dir / self.artifact_name).write_bytes(et.buffer)
         return audit
 
     def run(self, artifact_path: Path, inputs: list) -> list:
-        method = Runtime.get().load_program(str(artifact_path)).load_method("forward")
+        method = et_runtime.Runtime.get().load_program(str(artifact_path)).load_method("forward")
         return list(method.execute([t.contiguous() for t in inputs]))
 
 
@@ -186,10 +189,8 @@ def _delegation(edge) -> dict:
         from executorch.devtools.backend_debug import get_delegation_info
     except ImportError:
         return {}
-    # optional runtime: control_flow imports executorch at its top
-
     top = edge.exported_program().graph_module
-    bodies = list(control_flow_bodies(top))
+    bodies = list(control_flow.control_flow_bodies(top))
     delegated = non_delegated = subgraphs = in_bodies = 0
     outside: Counter = Counter()
     for i, gm in enumerate([top, *bodies]):

@@ -158,13 +158,23 @@ def decoder_inputs():
     return asr, f0, n, s, frames
 
 
+def _plugins_left_out() -> str:
+    """pyproject's `-p no:NAME` options: the third-party plugins no test uses (executorch installs
+    them), left out of a child pytest run in a directory of its own too (a user's project)."""
+    import shlex
+    import tomllib
+
+    addopts = tomllib.loads((Path(HERE).parents[1] / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    words = shlex.split(addopts)
+    return " ".join(f"-p {w}" for p, w in zip(words, words[1:]) if p == "-p" and w.startswith("no:") and w != "no:cacheprovider")
+
+
 def child_pytest_env(**extra: str) -> dict:
     """The environment for a pytest run in a child process: without this run's PYTEST_* and xdist
-    variables or a PYTHONPATH a test left behind, so the child is a plain, fresh invocation."""
-    import os
-
+    variables or a PYTHONPATH a test left behind, so the child is a plain, fresh invocation (but for
+    the unused plugins pyproject leaves out)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
-    return {**env, **extra}
+    return {**env, "PYTEST_ADDOPTS": _plugins_left_out(), **extra}
 
 
 @contextlib.contextmanager
