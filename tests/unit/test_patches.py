@@ -210,8 +210,10 @@ def test_instance_norm_float64_stats_is_instance_norm_and_finite_on_executorch()
         program = to_edge_transform_and_lower(torch.export.export(module, (x,)), partitioner=partitioner)
         calls = [n for n in program.exported_program().graph.nodes if n.target is executorch_call_delegate]
         assert bool(calls) == bool(partitioner)  # the delegate takes its part (unpatched, XNNPACK gives NaN too)
-        got = torch.as_tensor(Runtime.get().load_program(program.to_executorch().buffer).load_method("forward")
-                              .execute([x])[0])
+        # the bytes held while the method runs: loaded from a temporary (`load_program(p.to_executorch().buffer)`),
+        # 6 of 29 processes gave rel err 0.02 (the first channel off by 0.2) against 1.2e-4; held, 0 of 24
+        buffer = program.to_executorch().buffer
+        got = torch.as_tensor(Runtime.get().load_program(buffer).load_method("forward").execute([x])[0])
         assert torch.isfinite(got).all() and err(got) <= floor, (partitioner, err(got), floor)
 
 
