@@ -81,8 +81,8 @@ def check(program, inputs, expected):
         return 1, (f"REPRODUCED: none of the {sum(outside.values())} ops of the {SIGNATURE} body is delegated: they "
                    f"run on portable kernels, one after another at each of the T={steps} steps")
 
-    got = Runtime.get().load_program(edge.to_executorch().buffer).load_method("forward").execute(
-        [t.contiguous() for t in inputs])
+    buffer = edge.to_executorch().buffer  # held while the method runs: from a temporary, some runs differed
+    got = Runtime.get().load_program(buffer).load_method("forward").execute([t.contiguous() for t in inputs])
     code, message = values_match(program, inputs, expected, got, "ExecuTorch (XNNPACK)")
     if code:
         return code, message

@@ -76,7 +76,7 @@ def check_xnnpack_scan_body(program, inputs, expected):
         return 1, (f"REPRODUCED: none of the {sum(outside.values())} ops of the {SIGNATURE} body is delegated: they "
                    f"run on portable kernels, one after another at each of the T={steps} steps")
 
-    buffer = edge.to_executorch().buffer  # kept: a method read freed constants once its bytes were a temporary
+    buffer = edge.to_executorch().buffer  # held while the method runs: from a temporary, some runs differed
     got = Runtime.get().load_program(buffer).load_method("forward").execute([t.contiguous() for t in inputs])
     code, message = values_match(program, inputs, expected, got, "ExecuTorch (XNNPACK)")
     if code:
