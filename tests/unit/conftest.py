@@ -164,9 +164,10 @@ def _plugins_left_out() -> str:
     import shlex
     import tomllib
 
-    addopts = tomllib.loads((Path(HERE).parents[1] / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    words = shlex.split(addopts)
-    return " ".join(f"-p {w}" for p, w in zip(words, words[1:]) if p == "-p" and w.startswith("no:") and w != "no:cacheprovider")
+    pyproject = tomllib.loads((Path(HERE).parents[1] / "pyproject.toml").read_text())
+    words = shlex.split(pyproject["tool"]["pytest"]["ini_options"]["addopts"])
+    left_out = [w for p, w in zip(words, words[1:]) if p == "-p" and w.startswith("no:") and w != "no:cacheprovider"]
+    return " ".join(f"-p {w}" for w in left_out)
 
 
 def child_pytest_env(**extra: str) -> dict:
